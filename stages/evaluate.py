@@ -1,0 +1,106 @@
+"""Stage `evaluate`: sample held-out prompts with vLLM and score the samples.
+
+Metrics (metrics.json, and MLflow): task reward (VADER sentiment of the continuation), KL to the reference
+(base) model, response length, and perplexity of held-out reference continuations; samples.jsonl keeps a few
+generations to read.
+
+    .venv/bin/snakemake --profile cluster_profiles/local results/<experiment>/evaluate/sft
+"""
+import dataclasses
+import json
+import statistics
+from pathlib import Path
+
+import ray
+import torch
+
+from stages import data, rewards
+from stages.models import load_causal_lm, load_tokenizer, pad_prompt_response, response_logprobs
+from stages.rollout import VLLMEngine
+
+USES_RAY = True
+SCORE_BATCH = 8
+
+
+@dataclasses.dataclass
+class Config:
+    model: str
+    num_prompts: int
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    num_samples_logged: int
+    seed: int
+
+    @classmethod
+    def from_params(cls, params: dict) -> "Config":
+        keys = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in params["evaluate"].items() if k in keys}, model=params["model"],
+                   seed=params["seed"])
+
+
+class Scorer:
+    """Teacher-forced log-probabilities under the evaluated model and the reference model."""
+
+    def __init__(self, model_dir: str, reference_dir: str, num_threads: int):
+        torch.set_num_threads(num_threads)
+        self.model = load_causal_lm(model_dir).eval()
+        self.reference = self.model if model_dir == reference_dir else load_causal_lm(reference_dir).eval()
+        self.pad_id = load_tokenizer(model_dir).pad_token_id
+
+    @torch.no_grad()
+    def sequence_logprobs(self, prompts: list[list[int]], responses: list[list[int]], with_reference: bool):
+        """Per sequence: summed log-prob under the model (and the reference), and the token count."""
+        out = []
+        for i in range(0, len(prompts), SCORE_BATCH):
+            batch = pad_prompt_response(prompts[i:i + SCORE_BATCH], responses[i:i + SCORE_BATCH], self.pad_id)
+            logp, mask = response_logprobs(self.model, batch)
+            ref = response_logprobs(self.reference, batch)[0] if with_reference else logp
+            out += [(a, b, n) for a, b, n in zip(logp.sum(1).tolist(), ref.sum(1).tolist(), mask.sum(1).tolist())]
+        return out
+
+
+def run(cfg: Config, inputs: dict, output: Path, run) -> None:
+    tokenizer = load_tokenizer(inputs["model"])
+    rows = data.read_jsonl(inputs["data"] / "prompts_eval.jsonl")[:cfg.num_prompts]
+    prompt_ids = [tokenizer(r["prompt"], add_special_tokens=False)["input_ids"] for r in rows]
+    threads = max(1, int(ray.available_resources().get("CPU", 1)))
+    max_len = max(map(len, prompt_ids)) + cfg.max_new_tokens + 8
+
+    print(f"[evaluate] {cfg.model}: generating {len(rows)} prompts x {cfg.max_new_tokens} tokens with vLLM", flush=True)
+    engine = ray.remote(num_cpus=1)(VLLMEngine).remote(str(inputs["model"]), cfg.seed, max_len, num_threads=threads)
+    samples = ray.get(engine.generate.remote(prompt_ids, 1, cfg.temperature, cfg.top_p, cfg.max_new_tokens, cfg.seed))
+    ray.kill(engine)  # free its cores and KV cache before scoring
+    completions = [s[0] for s in samples]
+    texts = [c["text"] for c in completions]
+    scores = rewards.sentiment(texts)
+
+    print(f"[evaluate] {cfg.model}: scoring KL to the reference and perplexity", flush=True)
+    scorer = ray.remote(num_cpus=1)(Scorer).remote(str(inputs["model"]), str(inputs["reference"]), threads)
+    logps = ray.get(scorer.sequence_logprobs.remote(prompt_ids, [c["token_ids"] for c in completions], True))
+    held_out = data.read_jsonl(inputs["data"] / "sft_eval.jsonl")
+    encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]
+    references = ray.get(scorer.sequence_logprobs.remote([encode(r["prompt"]) for r in held_out],
+                                                         [encode(r["response"]) for r in held_out], False))
+    ray.kill(scorer)
+
+    # KL(model || reference) estimated on the model's own samples: mean over sequences of sum_t log p/p_ref.
+    kl = statistics.fmean(lp - ref for lp, ref, _ in logps)
+    nll = -sum(lp for lp, _, _ in references) / sum(n for _, _, n in references)
+    metrics = {
+        "reward_mean": statistics.fmean(scores),
+        "reward_std": statistics.pstdev(scores),
+        "positive_fraction": statistics.fmean(s > 0.05 for s in scores),
+        "kl_to_reference": kl,
+        "response_length": statistics.fmean(len(c["token_ids"]) for c in completions),
+        "perplexity": float(torch.tensor(nll).exp()),
+        "num_prompts": len(rows),
+    }
+    (output / "metrics.json").write_text(json.dumps({"model": cfg.model, **metrics}, indent=2))
+    data.write_jsonl(output / "samples.jsonl", [
+        {"opening": r["opening"], "label": r["label"], "completion": t, "reward": s}
+        for r, t, s in list(zip(rows, texts, scores))[:cfg.num_samples_logged]])
+    run.log_metrics(metrics)
+    run.log_artifact(output / "metrics.json")
+    run.log_artifact(output / "samples.jsonl")
+    print(f"[evaluate] {cfg.model}: " + ", ".join(f"{k}={v:.4g}" for k, v in metrics.items()), flush=True)

@@ -1,0 +1,171 @@
+"""The local two-node Slurm cluster works the way the pipeline's tests will use it."""
+
+import subprocess
+import sys
+import time
+
+import pytest
+import submitit
+from submitit.core.utils import UncompletedJobError
+
+pytestmark = pytest.mark.slurm
+
+
+def _run(*cmd: str, timeout: float = 120) -> str:
+    out = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout)
+    assert out.returncode == 0, f"{cmd} failed (rc={out.returncode}):\n{out.stdout}\n{out.stderr}"
+    return out.stdout
+
+
+def _job_fields(job_id: str) -> dict[str, str]:
+    fields = {}
+    for word in _run("scontrol", "-o", "show", "job", job_id).split():
+        key, _, value = word.partition("=")
+        fields[key] = value
+    return fields
+
+
+def _wait_until(predicate, timeout: float, what: str, interval: float = 0.5):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
+
+
+def _sbatch(tmp_path, *args: str) -> str:
+    return _run("sbatch", "--parsable", f"--chdir={tmp_path}", f"--output={tmp_path}/slurm-%j.out", *args).strip()
+
+
+def test_srun_answers_from_two_hosts(slurm_cluster, tmp_path):
+    out = _run("srun", "-N2", "-l", f"--chdir={tmp_path}", "-p", slurm_cluster["partition"], "hostname")
+    hosts = sorted(line.split(":", 1)[1].strip() for line in out.splitlines())
+    assert hosts == ["n1", "n2"]
+
+
+def test_nodes_reach_each_other_the_controller_and_their_own_loopback(slurm_cluster, tmp_path):
+    """What Ray needs: a head on n1 and a worker on n2 talking TCP; each node's own 127.0.0.1."""
+    script = tmp_path / "net.py"
+    script.write_text(
+        """
+import os, socket, sys, time
+n1_addr, n2_addr = sys.argv[1], sys.argv[2]
+controller, ctld_port, port = sys.argv[3], int(sys.argv[4]), 47123
+me = socket.gethostname()
+srv = socket.create_server(("127.0.0.1", 0))
+with socket.create_connection(srv.getsockname(), timeout=5) as c, srv.accept()[0] as a:
+    c.sendall(b"lo")
+    assert a.recv(2) == b"lo"
+socket.create_connection((controller, ctld_port), timeout=5).close()
+if me == "n2":
+    with socket.create_server(("0.0.0.0", port)) as s:
+        conn, addr = s.accept()
+        conn.sendall(me.encode())
+        print(me, "served", addr[0], flush=True)
+else:
+    deadline = time.time() + 30
+    while True:
+        try:
+            c = socket.create_connection((n2_addr, port), timeout=2)
+            break
+        except OSError:
+            if time.time() > deadline:
+                raise
+            time.sleep(0.2)
+    print(me, "got", c.recv(16).decode(), flush=True)
+"""
+    )
+    ctld_port = next(
+        line.split("=")[1].strip()
+        for line in _run("scontrol", "show", "config").splitlines()
+        if line.startswith("SlurmctldPort")
+    )
+    nodes = slurm_cluster["nodes"]
+    out = _run(
+        "srun", "-N2", "--ntasks-per-node=1", f"--chdir={tmp_path}", "-p", slurm_cluster["partition"],
+        sys.executable, str(script), nodes["n1"], nodes["n2"], slurm_cluster["controller_addr"], ctld_port,
+        timeout=90,
+    )
+    assert sorted(out.splitlines()) == ["n1 got n2", f"n2 served {nodes['n1']}"], out
+
+
+def test_submitit_two_node_job_returns_one_result_per_task(slurm_cluster, tmp_path):
+    def where():  # defined here so cloudpickle ships it by value (the node cannot import this module)
+        import os
+        import socket
+
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((os.environ["ALIGNPIPE_SLURM_CONTROLLER_ADDR"], 9))  # no packet sent: picks the route
+            ip = s.getsockname()[0]
+        return {"procid": int(os.environ["SLURM_PROCID"]), "host": socket.gethostname(), "ip": ip}
+
+    executor = submitit.AutoExecutor(folder=tmp_path / "submitit", cluster="slurm")
+    executor.update_parameters(
+        slurm_partition=slurm_cluster["partition"], nodes=2, tasks_per_node=1, cpus_per_task=1, mem_gb=1,
+        timeout_min=5,
+    )
+    job = executor.submit(where)
+    results = sorted(job.results(), key=lambda r: r["procid"])
+    assert [r["procid"] for r in results] == [0, 1]
+    assert {r["host"] for r in results} == {"n1", "n2"}
+    assert {r["ip"] for r in results} == set(slurm_cluster["nodes"].values())
+    for r in results:
+        assert slurm_cluster["nodes"][r["host"]] == r["ip"]
+
+
+def test_sacct_lists_the_finished_job(slurm_cluster, tmp_path):
+    job_id = _sbatch(tmp_path, "--wait", "--job-name=acct-check", "--wrap", "echo hello")
+
+    def state():
+        out = _run("sacct", "-X", "-n", "-P", "-j", job_id, "-o", "JobID,JobName,State,ExitCode")
+        return out.strip() if "COMPLETED" in out else None
+
+    assert _wait_until(state, 60, f"sacct to list job {job_id}") == f"{job_id}|acct-check|COMPLETED|0:0"
+
+
+def test_cancelled_submitit_job_raises_uncompleted(slurm_cluster, tmp_path):
+    executor = submitit.AutoExecutor(folder=tmp_path / "submitit", cluster="slurm")
+    executor.update_parameters(slurm_partition=slurm_cluster["partition"], timeout_min=10, cpus_per_task=1, mem_gb=1)
+    job = executor.submit(time.sleep, 600)
+    # force: submitit otherwise backs off its sacct polls (2, 4, 8, ... s after submission)
+    _wait_until(lambda: job.get_info(mode="force").get("State") == "RUNNING", 60, f"job {job.job_id} to run")
+    job.cancel(check=True)
+    _wait_until(lambda: job.done(force_check=True), 120, f"job {job.job_id} to be seen as finished")
+    assert job.state.startswith("CANCELLED")
+    with pytest.raises(UncompletedJobError):
+        job.result()
+
+
+def test_scontrol_requeue_restarts_a_running_job(slurm_cluster, tmp_path):
+    job_id = _sbatch(
+        tmp_path, "--requeue", "--open-mode=append", "--wrap", "echo start restarts=${SLURM_RESTART_COUNT:-0}; sleep 600"
+    )
+    try:
+        _wait_until(lambda: _job_fields(job_id)["JobState"] == "RUNNING", 60, f"job {job_id} to run")
+        _run("scontrol", "requeue", job_id)
+        assert _job_fields(job_id)["Restarts"] == "1"
+        # Requeued jobs wait cred_expire (20 s in local_cluster.sh) before they may start again.
+        _wait_until(lambda: _job_fields(job_id)["JobState"] == "RUNNING", 90, f"job {job_id} to run again")
+        log = tmp_path / f"slurm-{job_id}.out"
+        _wait_until(lambda: "restarts=1" in log.read_text(), 30, "the restarted job's output")
+        starts = [line for line in log.read_text().splitlines() if line.startswith("start")]
+        assert starts == ["start restarts=0", "start restarts=1"]
+    finally:
+        subprocess.run(["scancel", job_id], check=False)
+
+
+def test_high_partition_preempts_and_requeues_a_debug_job(slurm_cluster, tmp_path):
+    low = _sbatch(tmp_path, "-p", slurm_cluster["partition"], "-N2", "--exclusive", "--requeue", "--wrap", "sleep 600")
+    high = None
+    try:
+        _wait_until(lambda: _job_fields(low)["JobState"] == "RUNNING", 60, f"job {low} to run")
+        high = _sbatch(tmp_path, "-p", slurm_cluster["preempt_partition"], "-N1", "--wrap", "sleep 600")
+        _wait_until(lambda: _job_fields(high)["JobState"] == "RUNNING", 60, f"preempting job {high} to run")
+        low_fields = _job_fields(low)
+        assert low_fields["Restarts"] == "1"
+        assert low_fields["JobState"] in {"PENDING", "REQUEUED", "COMPLETING"}
+    finally:
+        subprocess.run(["scancel", low] + ([high] if high else []), check=False)

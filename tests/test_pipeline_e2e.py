@@ -1,0 +1,109 @@
+"""The whole DAG on the tiny config, through the real parts; then what Snakemake plans after changes."""
+import json
+import re
+from pathlib import Path
+
+import pytest
+import mlflow
+from mlflow.tracking import MlflowClient
+
+from conftest import snakemake, write_config
+
+pytestmark = pytest.mark.e2e
+
+
+def planned_jobs(dry_run_stdout: str) -> dict[str, int]:
+    """The 'Job stats' table of `snakemake --dry-run`: rule -> count."""
+    if "Nothing to be done" in dry_run_stdout:
+        return {}
+    table = dry_run_stdout.split("Job stats:")[1]
+    return {m.group(1): int(m.group(2)) for m in re.finditer(r"^(\w+)\s+(\d+)$", table, re.M) if m.group(1) != "total"}
+
+
+def test_outputs_and_metrics(tiny_run):
+    results = tiny_run["results"]
+    for split in ("sft_train", "sft_eval", "prompts_eval"):
+        rows = [json.loads(line) for line in (results / "preprocess" / f"{split}.jsonl").read_text().splitlines()]
+        assert rows and all({"prompt", "response", "label"} <= row.keys() for row in rows)
+        assert all(row["prompt"].startswith("<|im_start|>user") for row in rows), "chat template not applied"
+    stats = json.loads((results / "preprocess" / "stats.json").read_text())
+    assert stats["rows_sft_train"] == 64 and stats["response_tokens_max"] <= 24
+
+    sft = results / "sft"
+    assert (sft / "model.safetensors").exists() and (sft / "config.json").exists()
+    sft_metrics = json.loads((sft / "metrics.json").read_text())
+    assert sft_metrics["steps"] == 16  # 64 rows / batch 8 * 2 epochs
+    assert sft_metrics["eval_loss_after"] < sft_metrics["eval_loss_before"], "SFT did not lower held-out loss"
+
+    base = json.loads((results / "evaluate" / "base" / "metrics.json").read_text())
+    tuned = json.loads((results / "evaluate" / "sft" / "metrics.json").read_text())
+    assert base["kl_to_reference"] == pytest.approx(0.0, abs=1e-6), "the base model is its own reference"
+    assert tuned["kl_to_reference"] > 0.1
+    assert tuned["perplexity"] < base["perplexity"]
+    for metrics in (base, tuned):
+        assert -1 <= metrics["reward_mean"] <= 1 and 0 < metrics["response_length"] <= 16
+    samples = (results / "evaluate" / "sft" / "samples.jsonl").read_text().splitlines()
+    assert len(samples) == 4
+
+    report = (results / "report" / "report.md").read_text()
+    assert "| base |" in report and "| sft |" in report
+    assert f"{tuned['reward_mean']:.3f}" in report
+    assert (results / "report" / "training_curves.png").read_bytes()[:4] == b"\x89PNG"
+    assert not list(results.rglob("*.partial")), "a partial output was left behind"
+
+
+def test_mlflow_runs(tiny_run):
+    client = MlflowClient(tracking_uri=tiny_run["mlflow_uri"])
+    experiment = client.get_experiment_by_name("tiny")
+    runs = client.search_runs([experiment.experiment_id])
+    parents = [r for r in runs if r.data.tags.get("alignpipe.parent") == "true"]
+    assert len(parents) == 1
+    children = {r.info.run_name: r for r in runs if r.data.tags.get("mlflow.parentRunId") == parents[0].info.run_id}
+    assert set(children) == {"base_model", "preprocess", "sft", "evaluate/base", "evaluate/sft", "report"}
+    sft = children["sft"]
+    assert sft.info.status == "FINISHED"
+    assert sft.data.params["sft.learning_rate"] == "0.001" and sft.data.params["sft.zero_stage"] == "2"
+    assert re.fullmatch(r"[0-9a-f]{40}|unknown", sft.data.tags["git.commit"])
+    assert sft.data.tags["git.dirty"] in ("true", "false")
+    assert sft.data.tags["version.torch"].startswith("2.13.0")
+    assert len(sft.data.tags["alignpipe.config_hash"]) == 16
+    history = client.get_metric_history(sft.info.run_id, "train_loss")
+    assert [m.step for m in history] == list(range(1, 17))
+    evaluated = children["evaluate/sft"].data.metrics
+    on_disk = json.loads((tiny_run["results"] / "evaluate" / "sft" / "metrics.json").read_text())
+    assert evaluated["reward_mean"] == pytest.approx(on_disk["reward_mean"])
+    artifacts = {a.path for a in client.list_artifacts(children["evaluate/sft"].info.run_id)}
+    assert {"config.json", "metrics.json", "samples.jsonl"} <= artifacts
+
+
+def test_finished_run_plans_nothing(tiny_run):
+    proc = snakemake(tiny_run["configfile"], "all", "--dry-run")
+    assert planned_jobs(proc.stdout) == {}, proc.stdout[-3000:]
+
+
+def test_changed_parameter_plans_stage_and_dependents(tiny_run):
+    changed = write_config(tiny_run["root"] / "changed.yaml", tiny_run["root"] / "results",
+                           sft={"learning_rate": 5e-4})
+    proc = snakemake(changed, "all", "--dry-run")
+    assert planned_jobs(proc.stdout) == {"sft": 1, "evaluate": 1, "report": 1, "all": 1}, proc.stdout[-3000:]
+    assert "results/tiny/evaluate/sft" in proc.stdout and "evaluate/base" not in proc.stdout.split("Job stats:")[0]
+    changed_eval = write_config(tiny_run["root"] / "changed_eval.yaml", tiny_run["root"] / "results",
+                                evaluate={"temperature": 0.5})
+    proc = snakemake(changed_eval, "all", "--dry-run")
+    assert planned_jobs(proc.stdout) == {"evaluate": 2, "report": 1, "all": 1}, proc.stdout[-3000:]
+
+
+def test_failed_stage_reports_job_and_leaves_no_output(tmp_path):
+    """A stage that fails inside its job: the terminal shows job id, log path and the error; no output."""
+    configfile = write_config(tmp_path / "failing.yaml", tmp_path / "results", experiment="failing",
+                              data={"num_train": 100000})
+    proc = snakemake(configfile, "all", check=False)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    match = re.search(r"stage preprocess failed: job (\d+), state \w+, log (\S+)", output)
+    assert match, output[-4000:]
+    assert f"/logs/preprocess/" in match.group(2) and Path(match.group(2)).exists()
+    assert "data.num_train" in output, "the stage's own error message must reach the terminal"
+    results = tmp_path / "results" / "failing"
+    assert (results / "base_model" / "config.json").exists()
+    assert not (results / "preprocess").exists() and not (results / "preprocess.partial").exists()

@@ -1,0 +1,40 @@
+# Config validation, result paths and the launch command shared by every rule.
+import json
+import sys
+
+sys.path.insert(0, workflow.basedir)
+from stages.config import ConfigError, stage_code_hash, validate_config
+
+try:
+    _validated = validate_config(config, source=", ".join(map(str, workflow.configfiles)) or "config")
+except ConfigError as err:
+    raise WorkflowError(str(err)) from None
+config.clear()
+config.update(_validated)
+
+RESULTS = f"{config['results_dir']}/{config['experiment']}"
+# How stages are submitted and tracked: passed to the launcher, never part of a stage's cache key.
+RUN_CONTEXT = json.dumps({key: config[key] for key in ("experiment", "results_dir", "launcher", "tracking")})
+PYTHON = sys.executable
+LAUNCH = "{PYTHON} -m stages.launcher {params.stage:q} {params.inputs:q} {output:q} --context {RUN_CONTEXT:q}"
+
+
+def stage_key(stage, *keys):
+    """A rule's `stage` param, its cache key: the config subtrees the stage reads, its wildcards and the hash of
+    its code and imports. (A param computed from `input` would be left out of Snakemake's params trigger.)"""
+    code = stage_code_hash(stage)
+
+    def key(wildcards):
+        return json.dumps({
+            "stage": stage,
+            "run_name": "/".join([stage, *wildcards]),  # e.g. evaluate/sft
+            "config": {k: config[k] for k in keys} | dict(wildcards.items()),
+            "code": code,
+        }, sort_keys=True)
+
+    return key
+
+
+def named_inputs(wildcards, input):
+    """A rule's `inputs` param: its named inputs as JSON, for the launcher."""
+    return json.dumps(dict(input.items()))

@@ -1,0 +1,21 @@
+# One evaluation per model named in evaluate.models; later stages (dpo, rl) add their model directories here.
+MODEL_DIRS = {
+    "base": rules.base_model.output[0],
+    "sft": rules.sft.output[0],
+}
+
+
+rule evaluate:
+    input:
+        model=lambda wc: MODEL_DIRS[wc.model],
+        reference=rules.base_model.output[0],
+        data=rules.preprocess.output[0],
+    output:
+        directory(f"{RESULTS}/evaluate/{{model}}"),
+    wildcard_constraints:
+        model="|".join(MODEL_DIRS),
+    params:
+        stage=stage_key("evaluate", "evaluate", "seed"),
+        inputs=named_inputs,
+    shell:
+        LAUNCH
