@@ -5,7 +5,7 @@ VENV := .venv
 ENV_STAMP := $(VENV)/.installed-$(shell cat envs/cpu.txt envs/cpu.lock.txt pyproject.toml | sha1sum | cut -c1-12)
 SNAKEMAKE := $(VENV)/bin/snakemake
 
-.PHONY: venv demo test test-fast clean-results
+.PHONY: venv demo test test-fast bench-dpo clean-results
 
 venv: $(ENV_STAMP)
 
@@ -31,6 +31,11 @@ test: venv
 
 test-fast: venv
 	$(VENV)/bin/python -m pytest -m "not e2e and not slurm"
+
+# Benchmarks (docs/benchmarks.md): TRL is a bench-only extra, never a runtime dependency.
+bench-dpo: venv
+	$(VENV)/bin/pip install --quiet -r bench/requirements.txt -c envs/cpu.lock.txt
+	$(VENV)/bin/python bench/dpo_throughput.py
 
 clean-results:
 	rm -rf results

@@ -8,6 +8,8 @@ include: "workflow/rules/common.smk"
 include: "workflow/rules/base_model.smk"
 include: "workflow/rules/preprocess.smk"
 include: "workflow/rules/sft.smk"
+include: "workflow/rules/reward_model.smk"
+include: "workflow/rules/dpo.smk"
 include: "workflow/rules/evaluate.smk"
 include: "workflow/rules/report.smk"
 

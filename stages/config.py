@@ -72,15 +72,20 @@ def validate_config(raw: dict | None, source: str = "config") -> dict:
 
 def check_consistency(config: dict, source: str) -> None:
     """Rules that span several keys, which JSON schema cannot express."""
-    sft = config["sft"]
-    per_step = sft["micro_batch_size"] * sft["num_workers"]
-    if sft["batch_size"] % per_step:
-        raise ConfigError(f"{source}: sft.batch_size = {sft['batch_size']} must be a multiple of "
-                          f"sft.micro_batch_size * sft.num_workers = {per_step}")
+    for stage in ("sft", "reward_model", "dpo"):
+        trainer = config[stage]
+        per_step = trainer["micro_batch_size"] * trainer["num_workers"]
+        if trainer["batch_size"] % per_step:
+            raise ConfigError(f"{source}: {stage}.batch_size = {trainer['batch_size']} must be a multiple of "
+                              f"{stage}.micro_batch_size * {stage}.num_workers = {per_step}")
     tiny = config["model"]["tiny"]
     if tiny["hidden_size"] % tiny["num_heads"] or tiny["hidden_size"] // tiny["num_heads"] < 32:
         raise ConfigError(f"{source}: model.tiny.hidden_size / model.tiny.num_heads must be a whole number >= 32, "
                           f"got {tiny['hidden_size']} / {tiny['num_heads']}")
+    data = config["data"]
+    if bool(data["preference_train_file"]) != bool(data["preference_eval_file"]):
+        raise ConfigError(f"{source}: data.preference_train_file and data.preference_eval_file go together; "
+                          "set both (your training and held-out pairs) or neither (generated pairs)")
 
 
 def load_config_files(paths, overrides: dict | None = None) -> dict:

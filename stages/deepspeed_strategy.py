@@ -90,6 +90,17 @@ class DeepSpeedWorker:
     def loss(self, batch) -> tuple[torch.Tensor, dict]:
         raise NotImplementedError
 
+    def save_checkpoint(self, ckpt_dir: str, tag: str) -> None:
+        """Model, optimizer and scheduler (DeepSpeed's own format, per rank) plus this rank's RNG state."""
+        self.engine.save_checkpoint(ckpt_dir, tag=tag)
+        torch.save(torch.get_rng_state(), Path(ckpt_dir) / tag / f"rng_rank{self.rank}.pt")
+
+    def load_checkpoint(self, ckpt_dir: str, tag: str) -> None:
+        path, _ = self.engine.load_checkpoint(ckpt_dir, tag=tag)
+        if path is None:
+            raise FileNotFoundError(f"no DeepSpeed checkpoint {tag!r} in {ckpt_dir}")
+        torch.set_rng_state(torch.load(Path(ckpt_dir) / tag / f"rng_rank{self.rank}.pt"))
+
     def save_hf(self, out_dir: str, tokenizer_dir: str) -> None:
         """Write an HF `save_pretrained` directory (safetensors) from rank 0; all ranks must call it."""
         import deepspeed

@@ -28,6 +28,18 @@ def load_causal_lm(path, trust_remote_code: bool = False):
                                                 trust_remote_code=trust_remote_code)
 
 
+def load_reward_model(path, trust_remote_code: bool = False):
+    """A causal LM directory (or a trained reward model) as a one-output sequence classifier."""
+    import torch
+    from transformers import AutoModelForSequenceClassification
+    model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=torch.float32,
+                                                               use_safetensors=True,
+                                                               trust_remote_code=trust_remote_code)
+    # The classifier scores the last non-pad token, so it must know the pad id.
+    model.config.pad_token_id = load_tokenizer(path).pad_token_id
+    return model
+
+
 def build_smollm2(out_dir: Path) -> None:
     """Dequantise the packaged GGUF once into a plain safetensors directory (transformers refuses to
     save a GGUF-loaded model, so rebuild it from its config and copy the weights)."""
@@ -92,6 +104,14 @@ def pad_prompt_response(prompts: list[list[int]], responses: list[list[int]], pa
         "loss_mask": torch.tensor([[0] * len(p) + [1] * len(r) + [0] * (width - len(p) - len(r))
                                    for p, r in zip(prompts, responses)], dtype=torch.float32),
     }
+
+
+def pair_batch(tokenizer, rows: list[dict]) -> dict:
+    """prompt+chosen for every row, then prompt+rejected for every row: one padded batch of 2B."""
+    encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]
+    prompts = [encode(r["prompt"]) for r in rows]
+    responses = [encode(r["chosen"]) for r in rows] + [encode(r["rejected"]) for r in rows]
+    return pad_prompt_response(prompts * 2, responses, tokenizer.pad_token_id)
 
 
 def response_logprobs(model, batch: dict):

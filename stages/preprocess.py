@@ -2,8 +2,10 @@
 
 Task: continue a movie review from its opening. SFT rows pair the opening of a positive review (prompt) with
 its true continuation (response); evaluation prompts are openings of held-out reviews of both labels, so a
-model only scores well if it steers even a negative opening toward a positive review. Keys follow OpenRLHF's
-conventions (prompt, response, label).
+model only scores well if it steers even a negative opening toward a positive review. Preference pairs
+continue one opening with the text of a positive review (chosen) and of a negative one (rejected), unless the
+config names the user's own preference files. Keys follow OpenRLHF's conventions (prompt, response, label,
+chosen, rejected).
 
     .venv/bin/snakemake --profile cluster_profiles/local results/<experiment>/preprocess
 """
@@ -27,6 +29,10 @@ class Config:
     num_train: int
     num_eval: int
     instruction: str
+    num_pairs_train: int
+    num_pairs_eval: int
+    preference_train_file: str | None
+    preference_eval_file: str | None
     seed: int
 
     @classmethod
@@ -34,29 +40,93 @@ class Config:
         return cls(**params["data"], seed=params["seed"])
 
 
-def make_row(review: dict, cfg: Config, tokenizer, stats: dict) -> dict | None:
-    """One prompt/response row, or None when the review is too short or the prompt too long."""
+def cut_response(text: str, cfg: Config, tokenizer, stats: dict) -> str:
+    """`text` cut at max_response_tokens; a response that ends on its own gets the EOS token."""
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    stats["response_tokens"].append(min(len(ids), cfg.max_response_tokens))
+    if len(ids) > cfg.max_response_tokens:
+        stats["truncated_response"] += 1
+        return tokenizer.decode(ids[:cfg.max_response_tokens])
+    return text + tokenizer.eos_token
+
+
+def keep_prompt(prompt: str, cfg: Config, tokenizer, stats: dict) -> bool:
+    tokens = len(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+    if tokens > cfg.max_prompt_tokens:
+        stats["dropped_long_prompt"] += 1
+        return False
+    stats["prompt_tokens"].append(tokens)
+    return True
+
+
+def split_review(review: dict, cfg: Config, stats: dict) -> tuple[str, str] | None:
+    """(opening, continuation) of a review, or None when it is too short to continue."""
     words = review["text"].split()
     if len(words) < cfg.prompt_words + 3:
         stats["dropped_short"] += 1
         return None
-    opening = " ".join(words[:cfg.prompt_words])
+    return " ".join(words[:cfg.prompt_words]), " " + " ".join(words[cfg.prompt_words:])
+
+
+def task_prompt(opening: str, cfg: Config, tokenizer) -> str:
     chat = [{"role": "user", "content": cfg.instruction}]
     # The assistant turn starts with the opening, so the model's job is to continue it.
-    prompt = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) + opening
-    prompt_tokens = len(tokenizer(prompt, add_special_tokens=False)["input_ids"])
-    if prompt_tokens > cfg.max_prompt_tokens:
-        stats["dropped_long_prompt"] += 1
+    return tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) + opening
+
+
+def make_row(review: dict, cfg: Config, tokenizer, stats: dict) -> dict | None:
+    """One prompt/response row, or None when the review is too short or the prompt too long."""
+    parts = split_review(review, cfg, stats)
+    if parts is None:
         return None
-    continuation = tokenizer(" " + " ".join(words[cfg.prompt_words:]), add_special_tokens=False)["input_ids"]
-    if len(continuation) > cfg.max_response_tokens:
-        stats["truncated_response"] += 1
-        response = tokenizer.decode(continuation[:cfg.max_response_tokens])
-    else:
-        response = tokenizer.decode(continuation) + tokenizer.eos_token
-    stats["prompt_tokens"].append(prompt_tokens)
-    stats["response_tokens"].append(min(len(continuation), cfg.max_response_tokens))
-    return {"prompt": prompt, "response": response, "label": review["label"], "opening": opening}
+    opening, continuation = parts
+    prompt = task_prompt(opening, cfg, tokenizer)
+    if not keep_prompt(prompt, cfg, tokenizer, stats):
+        return None
+    return {"prompt": prompt, "response": cut_response(continuation, cfg, tokenizer, stats),
+            "label": review["label"], "opening": opening}
+
+
+def make_pairs(reviews: list[dict], count: int, cfg: Config, tokenizer, stats: dict, rng: random.Random) -> list[dict]:
+    """Openings continued by a positive review's text (chosen) and a negative review's (rejected)."""
+    split = [(r["label"], split_review(r, cfg, stats)) for r in reviews]
+    openings = [p[0] for _, p in split if p]
+    positives = [p[1] for label, p in split if p and label == 1]
+    negatives = [p[1] for label, p in split if p and label == 0]
+    pairs = []
+    for opening in openings:
+        if len(pairs) == count:
+            break
+        prompt = task_prompt(opening, cfg, tokenizer)
+        if keep_prompt(prompt, cfg, tokenizer, stats):
+            pairs.append({"prompt": prompt, "chosen": cut_response(rng.choice(positives), cfg, tokenizer, stats),
+                          "rejected": cut_response(rng.choice(negatives), cfg, tokenizer, stats)})
+    if len(pairs) < count:
+        raise ValueError(f"data.source {cfg.source!r} yields only {len(pairs)} usable pairs, fewer than the "
+                         f"{count} asked for (data.num_pairs_train / data.num_pairs_eval)")
+    return pairs
+
+
+def user_pairs(path: str, cfg: Config, tokenizer, stats: dict) -> list[dict]:
+    """A user's preference file as prompt/chosen/rejected text: chat message lists go through the chat
+    template; without a prompt, the conversation before the last message of `chosen` is the prompt."""
+    pairs = []
+    for row in data.read_preference_file(path):
+        def last_text(value):
+            return value if isinstance(value, str) else value[-1]["content"]
+        if "prompt" in row:
+            messages = [{"role": "user", "content": row["prompt"]}] if isinstance(row["prompt"], str) else row["prompt"]
+        else:
+            messages = [] if isinstance(row["chosen"], str) else row["chosen"][:-1]
+        prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) if messages else ""
+        if prompt and not keep_prompt(prompt, cfg, tokenizer, stats):
+            continue
+        pair = {"prompt": prompt, "chosen": cut_response(last_text(row["chosen"]), cfg, tokenizer, stats),
+                "rejected": cut_response(last_text(row["rejected"]), cfg, tokenizer, stats)}
+        if "margin" in row:
+            pair["margin"] = row["margin"]
+        pairs.append(pair)
+    return pairs
 
 
 def take(reviews, count, cfg, tokenizer, stats) -> list[dict]:
@@ -86,8 +156,17 @@ def run(cfg: Config, inputs: dict, output: Path, run) -> None:
         "sft_eval": take([r for r in held_out if r["label"] == 1], cfg.num_eval, cfg, tokenizer, stats),
         "prompts_eval": take(held_out[len(held_out) // 2:], cfg.num_eval, cfg, tokenizer, stats),
     }
+    if cfg.preference_train_file:
+        splits["pairs_train"] = user_pairs(cfg.preference_train_file, cfg, tokenizer, stats)
+        splits["pairs_eval"] = user_pairs(cfg.preference_eval_file, cfg, tokenizer, stats)
+    else:
+        pair_rng = random.Random(cfg.seed + 1)
+        splits["pairs_train"] = make_pairs(train_pool[-4 * cfg.num_pairs_train:], cfg.num_pairs_train, cfg,
+                                           tokenizer, stats, pair_rng)
+        splits["pairs_eval"] = make_pairs(held_out[:len(held_out) // 2], cfg.num_pairs_eval, cfg, tokenizer, stats,
+                                          pair_rng)
     for name, rows in splits.items():
-        data.write_jsonl(output / f"{name}.jsonl", rows)
+        data.write_jsonl(output / f"{name}.jsonl", [{"id": i, **row} for i, row in enumerate(rows)])
     summary = {f"rows_{name}": len(rows) for name, rows in splits.items()}
     summary |= {k: stats[k] for k in ("dropped_short", "dropped_long_prompt", "truncated_response")}
     for key in ("prompt_tokens", "response_tokens"):

@@ -1,4 +1,5 @@
-"""Stage `report`: a Markdown table of every evaluated model and a PNG of the training curves.
+"""Stage `report`: a Markdown table of every evaluated model, the reward model's accuracy, and a PNG of the
+training curves.
 
     .venv/bin/snakemake --profile cluster_profiles/local results/<experiment>/report
 """
@@ -24,7 +25,9 @@ class Config:
 
 def run(cfg: Config, inputs: dict, output: Path, run) -> None:
     evaluations = [json.loads((d / "metrics.json").read_text()) for d in inputs["evaluations"]]
-    curves = {d.name: data.read_jsonl(d / "train_log.jsonl") for d in inputs["training"]}
+    trained = [*inputs["training"], inputs["reward_model"]]
+    curves = {d.name: data.read_jsonl(d / "train_log.jsonl") for d in trained}
+    reward_model = json.loads((inputs["reward_model"] / "metrics.json").read_text())
     figures.training_curves(curves, output / "training_curves.png")
     last_dir = inputs["evaluations"][-1]
     samples = data.read_jsonl(last_dir / "samples.jsonl")[:4]
@@ -32,14 +35,17 @@ def run(cfg: Config, inputs: dict, output: Path, run) -> None:
         experiment=output.parent.name,  # results/<experiment>/report
         num_prompts=evaluations[0]["num_prompts"],
         table=tables.markdown_table(evaluations),
+        rm_accuracy=reward_model["eval_accuracy"], rm_pairs=reward_model["eval_pairs"],
+        rm_mean=reward_model["reward_mean"], rm_std=reward_model["reward_std"],
         sample_model=evaluations[-1]["model"],
         samples="\n".join(f"- *{s['opening']}* → {s['completion'].strip()!r} (reward {s['reward']:.2f})" for s in samples),
     )
     (output / "report.md").write_text(text)
     provenance = {str(d): json.loads((d / "stage.json").read_text()).get("mlflow_run_id")
-                  for d in [*inputs["evaluations"], *inputs["training"]]}
+                  for d in [*inputs["evaluations"], *trained]}
     (output / "provenance.json").write_text(json.dumps(provenance, indent=2))
     for name in ("report.md", "training_curves.png"):
         run.log_artifact(output / name)
     print(f"[report] {output / 'report.md'}", flush=True)
     print(tables.markdown_table(evaluations), flush=True)
+    run.log_metrics({"reward_model_accuracy": reward_model["eval_accuracy"]})

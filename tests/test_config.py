@@ -13,7 +13,8 @@ from stages.config import REPO_ROOT, ConfigError, load_config_files, stage_code_
 def test_defaults_fill_every_key():
     config = validate_config({})
     assert config["sft"]["zero_stage"] == 2
-    assert config["evaluate"]["models"] == ["base", "sft"]
+    assert config["evaluate"]["models"] == ["base", "sft", "dpo"]
+    assert config["dpo"]["checkpoint_every"] == 0 and config["dpo"]["learning_rate"] == 5.0e-6
     assert config["launcher"]["cluster"] == "local"
 
 

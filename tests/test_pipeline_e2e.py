@@ -10,6 +10,8 @@ from mlflow.tracking import MlflowClient
 from conftest import snakemake, write_config
 
 pytestmark = pytest.mark.e2e
+RM_ACCURACY_BAR = 0.55
+DPO_MARGIN_BAR = 0.02
 
 
 def planned_jobs(dry_run_stdout: str) -> dict[str, int]:
@@ -46,10 +48,30 @@ def test_outputs_and_metrics(tiny_run):
     assert len(samples) == 4
 
     report = (results / "report" / "report.md").read_text()
-    assert "| base |" in report and "| sft |" in report
+    assert "| base |" in report and "| sft |" in report and "| dpo |" in report
     assert f"{tuned['reward_mean']:.3f}" in report
     assert (results / "report" / "training_curves.png").read_bytes()[:4] == b"\x89PNG"
     assert not list(results.rglob("*.partial")), "a partial output was left behind"
+
+
+def test_reward_model_beats_chance(tiny_run):
+    results = tiny_run["results"]
+    reward_model = json.loads((results / "reward_model" / "metrics.json").read_text())
+    # Bar set from a measurement of this tiny config: RM_ACCURACY_MEASURED held-out accuracy on 128 pairs.
+    assert reward_model["eval_pairs"] == 128
+    assert reward_model["eval_accuracy"] >= RM_ACCURACY_BAR, reward_model
+    assert reward_model["reward_std"] > 0
+    assert (results / "reward_model" / "model.safetensors").exists()
+    config = json.loads((results / "reward_model" / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForSequenceClassification"] and len(config["id2label"]) == 1
+    assert f"{reward_model['eval_accuracy']:.3f}" in (results / "report" / "report.md").read_text()
+
+
+def test_dpo_widens_held_out_margin(tiny_run):
+    dpo = json.loads((tiny_run["results"] / "dpo" / "metrics.json").read_text())
+    assert dpo["eval_margin_before"] == pytest.approx(0.0, abs=1e-6), "policy starts as its own reference"
+    assert dpo["eval_margin"] > DPO_MARGIN_BAR, dpo
+    assert dpo["eval_chosen_reward"] > dpo["eval_rejected_reward"]
 
 
 def test_mlflow_runs(tiny_run):
@@ -59,7 +81,8 @@ def test_mlflow_runs(tiny_run):
     parents = [r for r in runs if r.data.tags.get("alignpipe.parent") == "true"]
     assert len(parents) == 1
     children = {r.info.run_name: r for r in runs if r.data.tags.get("mlflow.parentRunId") == parents[0].info.run_id}
-    assert set(children) == {"base_model", "preprocess", "sft", "evaluate/base", "evaluate/sft", "report"}
+    assert set(children) == {"base_model", "preprocess", "sft", "reward_model", "dpo", "evaluate/base",
+                             "evaluate/sft", "evaluate/dpo", "report"}
     sft = children["sft"]
     assert sft.info.status == "FINISHED"
     assert sft.data.params["sft.learning_rate"] == "0.001" and sft.data.params["sft.zero_stage"] == "2"
@@ -67,7 +90,7 @@ def test_mlflow_runs(tiny_run):
     assert sft.data.tags["git.dirty"] in ("true", "false")
     assert sft.data.tags["version.torch"].startswith("2.13.0")
     assert len(sft.data.tags["alignpipe.config_hash"]) == 16
-    history = client.get_metric_history(sft.info.run_id, "train_loss")
+    history = client.get_metric_history(sft.info.run_id, "loss")
     assert [m.step for m in history] == list(range(1, 17))
     evaluated = children["evaluate/sft"].data.metrics
     on_disk = json.loads((tiny_run["results"] / "evaluate" / "sft" / "metrics.json").read_text())
@@ -85,12 +108,18 @@ def test_changed_parameter_plans_stage_and_dependents(tiny_run):
     changed = write_config(tiny_run["root"] / "changed.yaml", tiny_run["root"] / "results",
                            sft={"learning_rate": 5e-4})
     proc = snakemake(changed, "all", "--dry-run")
-    assert planned_jobs(proc.stdout) == {"sft": 1, "evaluate": 1, "report": 1, "all": 1}, proc.stdout[-3000:]
-    assert "results/tiny/evaluate/sft" in proc.stdout and "evaluate/base" not in proc.stdout.split("Job stats:")[0]
+    # SFT feeds the reward model, DPO and two evaluations; the base model's evaluation is untouched.
+    assert planned_jobs(proc.stdout) == {"sft": 1, "reward_model": 1, "dpo": 1, "evaluate": 2, "report": 1, "all": 1}, \
+        proc.stdout[-3000:]
+    assert "evaluate/base" not in proc.stdout.split("Job stats:")[0]
+    changed_dpo = write_config(tiny_run["root"] / "changed_dpo.yaml", tiny_run["root"] / "results", dpo={"beta": 0.2})
+    proc = snakemake(changed_dpo, "all", "--dry-run")
+    assert planned_jobs(proc.stdout) == {"dpo": 1, "evaluate": 1, "report": 1, "all": 1}, proc.stdout[-3000:]
+    assert "evaluate/dpo" in proc.stdout.split("Job stats:")[0]
     changed_eval = write_config(tiny_run["root"] / "changed_eval.yaml", tiny_run["root"] / "results",
                                 evaluate={"temperature": 0.5})
     proc = snakemake(changed_eval, "all", "--dry-run")
-    assert planned_jobs(proc.stdout) == {"evaluate": 2, "report": 1, "all": 1}, proc.stdout[-3000:]
+    assert planned_jobs(proc.stdout) == {"evaluate": 3, "report": 1, "all": 1}, proc.stdout[-3000:]
 
 
 def test_failed_stage_reports_job_and_leaves_no_output(tmp_path):

@@ -4,10 +4,15 @@ import sys
 
 sys.path.insert(0, workflow.basedir)
 from stages.config import ConfigError, stage_code_hash, validate_config
+from stages.data import PreferenceDataError, read_preference_file
 
 try:
     _validated = validate_config(config, source=", ".join(map(str, workflow.configfiles)) or "config")
-except ConfigError as err:
+    # Users' data is checked here too: a bad row stops the run before any stage is queued.
+    for _key in ("preference_train_file", "preference_eval_file"):
+        if _validated["data"][_key]:
+            read_preference_file(_validated["data"][_key])
+except (ConfigError, PreferenceDataError) as err:
     raise WorkflowError(str(err)) from None
 config.clear()
 config.update(_validated)
@@ -35,6 +40,9 @@ def stage_key(stage, *keys):
     return key
 
 
-def named_inputs(wildcards, input):
-    """A rule's `inputs` param: its named inputs as JSON, for the launcher."""
-    return json.dumps(dict(input.items()))
+def named_inputs(wildcards, input, resources):
+    """A rule's `inputs` param, for the launcher: its named inputs, and the Snakemake resources of the job (what
+    a profile's default-resources / set-resources give it: where and how big the job runs), as JSON. Computed
+    from input and resources, so Snakemake's params trigger ignores it: where a stage runs never reruns it."""
+    return json.dumps({"inputs": dict(input.items()),
+                       "resources": {k: v for k, v in resources.items() if not k.startswith("_")}})

@@ -2,6 +2,7 @@
 MODEL_DIRS = {
     "base": rules.base_model.output[0],
     "sft": rules.sft.output[0],
+    "dpo": rules.dpo.output[0],
 }
 
 

@@ -1,0 +1,132 @@
+"""Stage `dpo`: direct preference optimisation of the SFT model against its frozen copy.
+
+Losses (stages/losses.py): `dpo` (sigmoid; with label_smoothing > 0 it is cDPO), `ipo`, `kto` (each pair
+split into a desirable and an undesirable sample), `simpo` (reference-free); any of them plus an optional
+NLL term on the chosen response (nll_weight).
+
+    .venv/bin/snakemake --profile cluster_profiles/local results/<experiment>/dpo
+Output: the trained policy as a Hugging Face directory, metrics.json (held-out implicit rewards, margins and
+accuracy before and after training) and train_log.jsonl.
+"""
+import dataclasses
+import json
+import statistics
+from pathlib import Path
+
+import torch
+
+from stages import data, losses, trainer
+from stages.deepspeed_strategy import DeepSpeedWorker
+from stages.models import load_causal_lm, load_tokenizer, pair_batch, response_logprobs
+
+USES_RAY = True
+
+
+@dataclasses.dataclass
+class Config(trainer.TrainerConfig):
+    loss: str
+    beta: float
+    label_smoothing: float
+    nll_weight: float
+    simpo_gamma: float
+    kto_desirable_weight: float
+    kto_undesirable_weight: float
+
+    @classmethod
+    def from_params(cls, params: dict) -> "Config":
+        return cls(**params["dpo"], seed=params["seed"])
+
+
+def sequence_logps(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed response log-prob per sequence and the response length: (N,), (N,)."""
+    logp, mask = response_logprobs(model, batch)
+    return logp.sum(-1), mask.sum(-1).clamp(min=1)
+
+
+class DPOWorker(DeepSpeedWorker):
+    def setup(self, args: dict) -> None:
+        self.init_distributed(args["rank"], args["rendezvous"], args["num_threads"])
+        self.tokenizer = load_tokenizer(args["model_dir"])
+        self.cfg = args["dpo"]
+        # The reference is built before the engine: under ZeRO-3 every model built afterwards is partitioned.
+        self.reference = None if self.cfg["loss"] == "simpo" else load_causal_lm(args["model_dir"]).eval()
+        self.build_engine(model_loader=load_causal_lm, **args["engine"])
+
+    def pair_logps(self, model, rows, mismatched: bool = False):
+        """(chosen, rejected) summed log-probs and lengths; `mismatched` pairs each prompt with the next
+        row's chosen response (KTO's estimate of the KL reference point)."""
+        if mismatched:
+            rows = [dict(r, chosen=rows[(i + 1) % len(rows)]["chosen"]) for i, r in enumerate(rows)]
+        logps, lengths = sequence_logps(model, pair_batch(self.tokenizer, rows))
+        n = len(rows)
+        return logps[:n], logps[n:], lengths[:n], lengths[n:]
+
+    def compute(self, rows):
+        """Loss and implicit rewards (chosen, rejected) for a batch of pairs."""
+        cfg = self.cfg
+        pc, pr, nc, nr = self.pair_logps(self.engine, rows)
+        if cfg["loss"] == "simpo":
+            loss, chosen, rejected = losses.simpo_loss(pc / nc, pr / nr, cfg["beta"], cfg["simpo_gamma"])
+        else:
+            with torch.no_grad():
+                rc, rr, _, _ = self.pair_logps(self.reference, rows)
+            if cfg["loss"] == "dpo":
+                loss, chosen, rejected = losses.dpo_loss(pc, pr, rc, rr, cfg["beta"], cfg["label_smoothing"])
+            elif cfg["loss"] == "ipo":
+                loss, chosen, rejected = losses.ipo_loss(pc / nc, pr / nr, rc / nc, rr / nr, cfg["beta"])
+            else:  # kto
+                with torch.no_grad():
+                    mc, _, _, _ = self.pair_logps(self.engine, rows, mismatched=True)
+                    mrc, _, _, _ = self.pair_logps(self.reference, rows, mismatched=True)
+                desirable = torch.tensor([1] * len(rows) + [0] * len(rows))
+                loss, rewards = losses.kto_loss(torch.cat([pc, pr]), torch.cat([rc, rr]), desirable,
+                                                (mc - mrc).mean(), cfg["beta"], cfg["kto_desirable_weight"],
+                                                cfg["kto_undesirable_weight"])
+                chosen, rejected = rewards[:len(rows)], rewards[len(rows):]
+        if cfg["nll_weight"]:
+            loss = loss + cfg["nll_weight"] * losses.sequence_nll(pc, nc)
+        return loss, chosen, rejected
+
+    def loss(self, rows):
+        loss, chosen, rejected = self.compute(rows)
+        return loss, {"loss": loss.item(), "accuracy": (chosen > rejected).float().mean().item(),
+                      "margin": (chosen - rejected).mean().item(), "chosen_reward": chosen.mean().item(),
+                      "rejected_reward": rejected.mean().item()}
+
+    @torch.no_grad()
+    def evaluate(self, rows) -> list[tuple[float, float]]:
+        if not rows:
+            return []
+        self.engine.eval()
+        _, chosen, rejected = self.compute(rows)
+        self.engine.train()
+        return list(zip(chosen.tolist(), rejected.tolist()))
+
+
+def held_out_metrics(group, rows: list, world_size: int) -> dict:
+    pairs = [p for part in trainer.evaluate_split(group, rows, world_size) for p in part]
+    return {"margin": statistics.fmean(c - r for c, r in pairs), "accuracy": statistics.fmean(c > r for c, r in pairs),
+            "chosen_reward": statistics.fmean(c for c, _ in pairs), "rejected_reward": statistics.fmean(r for _, r in pairs)}
+
+
+def run(cfg: Config, inputs: dict, output: Path, run) -> None:
+    train_rows = data.read_jsonl(inputs["data"] / "pairs_train.jsonl")
+    eval_rows = data.read_jsonl(inputs["data"] / "pairs_eval.jsonl")
+    total_steps = trainer.steps_for(cfg, len(train_rows), "dpo")
+    loss_keys = ("loss", "beta", "label_smoothing", "nll_weight", "simpo_gamma", "kto_desirable_weight",
+                 "kto_undesirable_weight")
+    group = trainer.start_workers(DPOWorker, cfg, inputs["model"], total_steps,
+                                  {"dpo": {k: getattr(cfg, k) for k in loss_keys}})
+    before = held_out_metrics(group, eval_rows, cfg.num_workers)
+    log = trainer.fit(group, cfg, train_rows, "dpo", run)
+    after = held_out_metrics(group, eval_rows, cfg.num_workers)
+    group.call("save_hf", str(output), str(inputs["model"]))
+    group.shutdown()
+    trainer.save_log(output, log)
+    summary = {"steps": len(log)} | {f"eval_{k}_before": v for k, v in before.items()} | \
+              {f"eval_{k}": v for k, v in after.items()}
+    (output / "metrics.json").write_text(json.dumps(summary, indent=2))
+    run.log_metrics({k: v for k, v in summary.items() if k != "steps"}, step=len(log))
+    run.log_artifact(output / "metrics.json")
+    print(f"[dpo] {cfg.loss}: held-out margin {before['margin']:.4f} -> {after['margin']:.4f}, "
+          f"accuracy {before['accuracy']:.3f} -> {after['accuracy']:.3f}", flush=True)

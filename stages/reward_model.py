@@ -1,0 +1,86 @@
+"""Stage `reward_model`: a scalar head on the SFT model trained on preference pairs (Bradley-Terry).
+
+    .venv/bin/snakemake --profile cluster_profiles/local results/<experiment>/reward_model
+Output: a Hugging Face sequence-classification directory (one label), metrics.json with held-out pairwise
+accuracy and the mean/std of its rewards (RL normalises rewards with them), and train_log.jsonl.
+"""
+import dataclasses
+import json
+import statistics
+from pathlib import Path
+
+import torch
+
+from stages import data, losses, trainer
+from stages.deepspeed_strategy import DeepSpeedWorker
+from stages.models import load_reward_model, load_tokenizer, pair_batch
+
+USES_RAY = True
+LOSSES = {"sigmoid": losses.pairwise_sigmoid_loss, "logexp": losses.pairwise_logexp_loss}
+
+
+@dataclasses.dataclass
+class Config(trainer.TrainerConfig):
+    loss: str
+    use_margin: bool
+
+    @classmethod
+    def from_params(cls, params: dict) -> "Config":
+        return cls(**params["reward_model"], seed=params["seed"])
+
+
+def score_pairs(model, tokenizer, rows: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rewards of prompt+chosen and prompt+rejected, one forward pass over both: (B,), (B,)."""
+    batch = pair_batch(tokenizer, rows)
+    rewards = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.squeeze(-1)
+    return rewards[:len(rows)], rewards[len(rows):]
+
+
+class RewardWorker(DeepSpeedWorker):
+    def setup(self, args: dict) -> None:
+        self.init_distributed(args["rank"], args["rendezvous"], args["num_threads"])
+        self.tokenizer = load_tokenizer(args["model_dir"])
+        self.loss_fn, self.use_margin = LOSSES[args["loss"]], args["use_margin"]
+        self.build_engine(model_loader=load_reward_model, **args["engine"])
+
+    def loss(self, rows):
+        chosen, rejected = score_pairs(self.engine, self.tokenizer, rows)
+        margin = torch.tensor([float(r.get("margin", 0.0)) for r in rows]) if self.use_margin else None
+        loss = self.loss_fn(chosen, rejected, margin)
+        return loss, {"loss": loss.item(), "accuracy": (chosen > rejected).float().mean().item(),
+                      "reward_margin": (chosen - rejected).mean().item()}
+
+    @torch.no_grad()
+    def evaluate(self, rows) -> list[tuple[float, float]]:
+        self.engine.eval()
+        chosen, rejected = score_pairs(self.engine, self.tokenizer, rows) if rows else (torch.empty(0), torch.empty(0))
+        self.engine.train()
+        return list(zip(chosen.tolist(), rejected.tolist()))
+
+
+def held_out_metrics(group, rows: list, world_size: int) -> dict:
+    pairs = [p for part in trainer.evaluate_split(group, rows, world_size) for p in part]
+    rewards = [r for pair in pairs for r in pair]
+    return {"accuracy": statistics.fmean(c > r for c, r in pairs), "reward_mean": statistics.fmean(rewards),
+            "reward_std": statistics.pstdev(rewards), "pairs": len(pairs)}
+
+
+def run(cfg: Config, inputs: dict, output: Path, run) -> None:
+    train_rows = data.read_jsonl(inputs["data"] / "pairs_train.jsonl")
+    eval_rows = data.read_jsonl(inputs["data"] / "pairs_eval.jsonl")
+    total_steps = trainer.steps_for(cfg, len(train_rows), "reward_model")
+    group = trainer.start_workers(RewardWorker, cfg, inputs["model"], total_steps,
+                                  {"loss": cfg.loss, "use_margin": cfg.use_margin})
+    before = held_out_metrics(group, eval_rows, cfg.num_workers)
+    log = trainer.fit(group, cfg, train_rows, "reward_model", run)
+    after = held_out_metrics(group, eval_rows, cfg.num_workers)
+    group.call("save_hf", str(output), str(inputs["model"]))
+    group.shutdown()
+    trainer.save_log(output, log)
+    summary = {"steps": len(log), "eval_accuracy_before": before["accuracy"], "eval_accuracy": after["accuracy"],
+               "reward_mean": after["reward_mean"], "reward_std": after["reward_std"], "eval_pairs": after["pairs"]}
+    (output / "metrics.json").write_text(json.dumps(summary, indent=2))
+    run.log_metrics({k: v for k, v in summary.items() if k != "steps"}, step=len(log))
+    run.log_artifact(output / "metrics.json")
+    print(f"[reward_model] held-out accuracy {before['accuracy']:.3f} -> {after['accuracy']:.3f}, "
+          f"reward mean {after['reward_mean']:.3f} std {after['reward_std']:.3f}", flush=True)
