@@ -5,7 +5,7 @@ VENV := .venv
 ENV_STAMP := $(VENV)/.installed-$(shell cat envs/cpu.txt envs/cpu.lock.txt pyproject.toml | sha1sum | cut -c1-12)
 SNAKEMAKE := $(VENV)/bin/snakemake
 
-.PHONY: venv demo test test-fast bench-dpo clean-results
+.PHONY: venv demo test test-fast bench-dpo bench-grpo clean-results
 
 venv: $(ENV_STAMP)
 
@@ -36,6 +36,10 @@ test-fast: venv
 bench-dpo: venv
 	$(VENV)/bin/pip install --quiet -r bench/requirements.txt -c envs/cpu.lock.txt
 	$(VENV)/bin/python bench/dpo_throughput.py
+
+bench-grpo: venv
+	$(VENV)/bin/pip install --quiet -r bench/requirements.txt -c envs/cpu.lock.txt
+	$(VENV)/bin/python bench/grpo_throughput.py
 
 clean-results:
 	rm -rf results

@@ -10,6 +10,7 @@ include: "workflow/rules/preprocess.smk"
 include: "workflow/rules/sft.smk"
 include: "workflow/rules/reward_model.smk"
 include: "workflow/rules/dpo.smk"
+include: "workflow/rules/rl.smk"
 include: "workflow/rules/evaluate.smk"
 include: "workflow/rules/report.smk"
 

@@ -16,3 +16,12 @@ def markdown_table(rows: list[dict]) -> str:
     body = ["| " + row["model"] + " | " + " | ".join(fmt.format(row[key]) for key, _, fmt in COLUMNS) + " |"
             for row in rows]
     return "\n".join([header, rule, *body])
+
+
+def rl_table(runs: list[dict]) -> str:
+    """runs: the rl stage's metrics.json contents, one per variant."""
+    lines = ["| RL run | estimator | steps | held-out RL reward: SFT → trained | KL to SFT (last step) |",
+             "|---|---|---:|---:|---:|"]
+    lines += [f"| {r['variant']} | {r['estimator']} | {r['steps']} | {r['eval_reward_before']:.3f} → "
+              f"{r['eval_reward']:.3f} | {r['final_kl']:.3f} |" for r in runs]
+    return "\n".join(lines)

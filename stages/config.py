@@ -72,12 +72,30 @@ def validate_config(raw: dict | None, source: str = "config") -> dict:
 
 def check_consistency(config: dict, source: str) -> None:
     """Rules that span several keys, which JSON schema cannot express."""
-    for stage in ("sft", "reward_model", "dpo"):
-        trainer = config[stage]
+    trainers = {stage: config[stage] for stage in ("sft", "reward_model", "dpo")}
+    trainers |= {f"rl.variants.{name}": rl_variant(config, name) for name in config["rl"]["variants"]}
+    for where, trainer in trainers.items():
         per_step = trainer["micro_batch_size"] * trainer["num_workers"]
         if trainer["batch_size"] % per_step:
-            raise ConfigError(f"{source}: {stage}.batch_size = {trainer['batch_size']} must be a multiple of "
-                              f"{stage}.micro_batch_size * {stage}.num_workers = {per_step}")
+            raise ConfigError(f"{source}: {where}.batch_size = {trainer['batch_size']} must be a multiple of "
+                              f"{where}.micro_batch_size * {where}.num_workers = {per_step}")
+    for name in config["rl"]["variants"]:
+        rl = trainers[f"rl.variants.{name}"]
+        if rl["estimator"] not in ("gae", "reinforce") and rl["n_samples"] < 2:
+            raise ConfigError(f"{source}: rl.variants.{name}: estimator {rl['estimator']} compares the responses "
+                              f"of a prompt and needs n_samples >= 2, got {rl['n_samples']}")
+        if (rl["rollout_batch_size"] * rl["n_samples"]) % rl["batch_size"]:
+            raise ConfigError(f"{source}: rl.variants.{name}: rollout_batch_size * n_samples = "
+                              f"{rl['rollout_batch_size'] * rl['n_samples']} must be a multiple of batch_size = "
+                              f"{rl['batch_size']}")
+        if rl["reward"] != "model" and not (REPO_ROOT / rl["reward"]).is_file():
+            raise ConfigError(f"{source}: rl.variants.{name}.reward = {rl['reward']!r} is neither `model` nor a "
+                              "Python file (relative to the repository root) defining reward_fn")
+    models = ["base", "sft", "dpo", *config["rl"]["variants"]]
+    for i, model in enumerate(config["evaluate"]["models"]):
+        if model not in models:
+            raise ConfigError(f"{source}: evaluate.models.{i} = {model!r} is not a model of this experiment; "
+                              f"valid: {models}")
     tiny = config["model"]["tiny"]
     if tiny["hidden_size"] % tiny["num_heads"] or tiny["hidden_size"] // tiny["num_heads"] < 32:
         raise ConfigError(f"{source}: model.tiny.hidden_size / model.tiny.num_heads must be a whole number >= 32, "
@@ -86,6 +104,11 @@ def check_consistency(config: dict, source: str) -> None:
     if bool(data["preference_train_file"]) != bool(data["preference_eval_file"]):
         raise ConfigError(f"{source}: data.preference_train_file and data.preference_eval_file go together; "
                           "set both (your training and held-out pairs) or neither (generated pairs)")
+
+
+def rl_variant(config: dict, name: str) -> dict:
+    """The settings of one RL run: the rl block's keys overridden by the variant's own."""
+    return {k: v for k, v in config["rl"].items() if k != "variants"} | config["rl"]["variants"][name]
 
 
 def load_config_files(paths, overrides: dict | None = None) -> dict:

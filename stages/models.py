@@ -40,6 +40,14 @@ def load_reward_model(path, trust_remote_code: bool = False):
     return model
 
 
+def load_value_model(path, trust_remote_code: bool = False):
+    """A causal LM directory as a critic: the same backbone with a fresh one-output head on every token."""
+    import torch
+    from transformers import AutoModelForTokenClassification
+    return AutoModelForTokenClassification.from_pretrained(path, num_labels=1, dtype=torch.float32,
+                                                           use_safetensors=True, trust_remote_code=trust_remote_code)
+
+
 def build_smollm2(out_dir: Path) -> None:
     """Dequantise the packaged GGUF once into a plain safetensors directory (transformers refuses to
     save a GGUF-loaded model, so rebuild it from its config and copy the weights)."""

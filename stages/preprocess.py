@@ -31,6 +31,7 @@ class Config:
     instruction: str
     num_pairs_train: int
     num_pairs_eval: int
+    num_rl_prompts: int
     preference_train_file: str | None
     preference_eval_file: str | None
     seed: int
@@ -155,6 +156,8 @@ def run(cfg: Config, inputs: dict, output: Path, run) -> None:
         "sft_train": take(positives, cfg.num_train, cfg, tokenizer, stats),
         "sft_eval": take([r for r in held_out if r["label"] == 1], cfg.num_eval, cfg, tokenizer, stats),
         "prompts_eval": take(held_out[len(held_out) // 2:], cfg.num_eval, cfg, tokenizer, stats),
+        # RL prompts: openings of training reviews of both labels (their continuations are not used).
+        "prompts_train": take(train_pool[:len(train_pool) // 2], cfg.num_rl_prompts, cfg, tokenizer, stats),
     }
     if cfg.preference_train_file:
         splits["pairs_train"] = user_pairs(cfg.preference_train_file, cfg, tokenizer, stats)

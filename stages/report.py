@@ -25,8 +25,10 @@ class Config:
 
 def run(cfg: Config, inputs: dict, output: Path, run) -> None:
     evaluations = [json.loads((d / "metrics.json").read_text()) for d in inputs["evaluations"]]
-    trained = [*inputs["training"], inputs["reward_model"]]
-    curves = {d.name: data.read_jsonl(d / "train_log.jsonl") for d in trained}
+    trained = [*inputs["training"], inputs["reward_model"], *inputs["rl"]]
+    curves = {(f"rl/{d.name}" if d.parent.name == "rl" else d.name): data.read_jsonl(d / "train_log.jsonl")
+              for d in trained}
+    rl_runs = [json.loads((d / "metrics.json").read_text()) for d in inputs["rl"]]
     reward_model = json.loads((inputs["reward_model"] / "metrics.json").read_text())
     figures.training_curves(curves, output / "training_curves.png")
     last_dir = inputs["evaluations"][-1]
@@ -37,6 +39,7 @@ def run(cfg: Config, inputs: dict, output: Path, run) -> None:
         table=tables.markdown_table(evaluations),
         rm_accuracy=reward_model["eval_accuracy"], rm_pairs=reward_model["eval_pairs"],
         rm_mean=reward_model["reward_mean"], rm_std=reward_model["reward_std"],
+        rl_table=tables.rl_table(rl_runs),
         sample_model=evaluations[-1]["model"],
         samples="\n".join(f"- *{s['opening']}* → {s['completion'].strip()!r} (reward {s['reward']:.2f})" for s in samples),
     )

@@ -42,11 +42,12 @@ def shard(rows: list, world_size: int, micro_batch_size: int) -> list[list[list]
             for r in range(world_size)]
 
 
-def start_workers(worker_cls, cfg: TrainerConfig, model_dir: Path, total_steps: int, extra: dict | None = None):
+def start_workers(worker_cls, cfg: TrainerConfig, model_dir: Path, total_steps: int, extra: dict | None = None,
+                  cpus_per_actor: float = 1):
     """An ActorGroup of `worker_cls` ranks, each with its DeepSpeed engine built."""
     grad_accum = cfg.batch_size // (cfg.micro_batch_size * cfg.num_workers)
-    threads = max(1, int(ray.available_resources().get("CPU", 1)) // cfg.num_workers)
-    group = ActorGroup(worker_cls, cfg.num_workers, cpus_per_actor=1)
+    threads = max(1, int(ray.cluster_resources().get("CPU", 1)) // cfg.num_workers)
+    group = ActorGroup(worker_cls, cfg.num_workers, cpus_per_actor=cpus_per_actor)
     engine = dict(model_dir=str(model_dir), zero_stage=cfg.zero_stage, micro_batch_size=cfg.micro_batch_size,
                   grad_accum=grad_accum, learning_rate=cfg.learning_rate, weight_decay=cfg.weight_decay,
                   warmup_steps=cfg.warmup_steps, total_steps=total_steps, max_grad_norm=cfg.max_grad_norm,

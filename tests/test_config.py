@@ -13,7 +13,8 @@ from stages.config import REPO_ROOT, ConfigError, load_config_files, stage_code_
 def test_defaults_fill_every_key():
     config = validate_config({})
     assert config["sft"]["zero_stage"] == 2
-    assert config["evaluate"]["models"] == ["base", "sft", "dpo"]
+    assert config["evaluate"]["models"] == ["base", "sft", "dpo", "grpo"]
+    assert config["rl"]["variants"] == {"grpo": {"estimator": "group_norm"}} and config["rl"]["reward"] == "model"
     assert config["dpo"]["checkpoint_every"] == 0 and config["dpo"]["learning_rate"] == 5.0e-6
     assert config["launcher"]["cluster"] == "local"
 
@@ -31,6 +32,10 @@ def test_shipped_configs_are_valid():
     ({"sft": {"num_workers": 0}}, ["sft.num_workers", "out of range", "minimum"]),
     ({"evaluate": {"models": ["base", "gpt5"]}}, ["evaluate.models.1", "gpt5", "base"]),
     ({"sft": {"batch_size": 6, "micro_batch_size": 4, "num_workers": 1}}, ["sft.batch_size", "multiple"]),
+    ({"rl": {"variants": {"grpo": {"estimator": "group_norm", "n_samples": 1}}}}, ["rl.variants.grpo", "n_samples >= 2"]),
+    ({"rl": {"reward": "no/such/file.py"}}, ["rl.variants.grpo.reward", "no/such/file.py", "reward_fn"]),
+    ({"rl": {"variants": {"ppo": {"estimatr": "gae"}}}}, ["unknown key rl.variants.ppo.estimatr", "estimator"]),
+    ({"evaluate": {"models": ["base", "ppo"]}}, ["evaluate.models.1", "'ppo'", "grpo"]),
 ])
 def test_bad_config_names_key_and_valid_values(raw, expected):
     with pytest.raises(ConfigError) as err:

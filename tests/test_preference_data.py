@@ -46,7 +46,7 @@ def test_bad_row_names_file_and_line(tmp_path, bad, fragment):
 def test_rows_become_templated_pairs(tmp_path):
     tokenizer = train_tiny_tokenizer(["a delight a bore loved it hated it thoughts review this film"] * 20, 300)
     cfg = preprocess.Config(source="imdb", prompt_words=4, max_prompt_tokens=200, max_response_tokens=100,
-                            num_train=1, num_eval=1, instruction="x", num_pairs_train=1, num_pairs_eval=1,
+                            num_train=1, num_eval=1, instruction="x", num_pairs_train=1, num_pairs_eval=1, num_rl_prompts=1,
                             preference_train_file=None, preference_eval_file=None, seed=0)
     stats = {"dropped_short": 0, "dropped_long_prompt": 0, "truncated_response": 0, "prompt_tokens": [],
              "response_tokens": []}

@@ -3,7 +3,7 @@ import json
 import sys
 
 sys.path.insert(0, workflow.basedir)
-from stages.config import ConfigError, stage_code_hash, validate_config
+from stages.config import ConfigError, rl_variant, stage_code_hash, validate_config
 from stages.data import PreferenceDataError, read_preference_file
 
 try:
@@ -24,16 +24,18 @@ PYTHON = sys.executable
 LAUNCH = "{PYTHON} -m stages.launcher {params.stage:q} {params.inputs:q} {output:q} --context {RUN_CONTEXT:q}"
 
 
-def stage_key(stage, *keys):
-    """A rule's `stage` param, its cache key: the config subtrees the stage reads, its wildcards and the hash of
-    its code and imports. (A param computed from `input` would be left out of Snakemake's params trigger.)"""
+def stage_key(stage, *keys, derive=None):
+    """A rule's `stage` param, its cache key: the config subtrees the stage reads (`keys`, plus what
+    `derive(wildcards)` picks), its wildcards and the hash of its code and imports. (A param computed from
+    `input` would be left out of Snakemake's params trigger.)"""
     code = stage_code_hash(stage)
 
     def key(wildcards):
+        selected = {k: config[k] for k in keys} | (derive(wildcards) if derive else {})
         return json.dumps({
             "stage": stage,
             "run_name": "/".join([stage, *wildcards]),  # e.g. evaluate/sft
-            "config": {k: config[k] for k in keys} | dict(wildcards.items()),
+            "config": selected | dict(wildcards.items()),
             "code": code,
         }, sort_keys=True)
 

@@ -1,9 +1,9 @@
-# One evaluation per model named in evaluate.models; later stages (dpo, rl) add their model directories here.
+# One evaluation per model named in evaluate.models: base, sft, dpo or an rl variant.
 MODEL_DIRS = {
     "base": rules.base_model.output[0],
     "sft": rules.sft.output[0],
     "dpo": rules.dpo.output[0],
-}
+} | {variant: f"{RESULTS}/rl/{variant}" for variant in RL_VARIANTS}
 
 
 rule evaluate:

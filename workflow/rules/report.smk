@@ -1,7 +1,8 @@
 rule report:
     input:
         evaluations=expand(f"{RESULTS}/evaluate/{{model}}", model=config["evaluate"]["models"]),
-        training=[MODEL_DIRS[m] for m in config["evaluate"]["models"] if m != "base"],
+        training=[rules.sft.output[0], rules.dpo.output[0]],
+        rl=expand(f"{RESULTS}/rl/{{variant}}", variant=RL_VARIANTS),
         reward_model=rules.reward_model.output[0],
     output:
         directory(f"{RESULTS}/report"),

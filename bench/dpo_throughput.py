@@ -1,0 +1,137 @@
+"""DPO training throughput: alignpipe's DPO stage machinery vs TRL's DPOTrainer, same model/data/batch.
+
+    make bench-dpo        # or: .venv/bin/python bench/dpo_throughput.py --steps 8
+Both train the same SmolLM2-135M-Instruct on the same generated IMDB preference pairs (prompt <= 64 tokens,
+responses cut at 48), global batch 8, sigmoid DPO with beta 0.1, fp32, on all of this machine's cores:
+alignpipe as 2 DeepSpeed ZeRO-2 ranks in Ray actors (1 thread each), TRL as one process (2 threads).
+Steady-state pairs/s excludes the first `--warmup` steps. Results go to bench/results/dpo_throughput.json.
+"""
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+os.environ.update(HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", RAY_AUTH_MODE="disabled",
+                  RAY_USAGE_STATS_ENABLED="0", RAY_enable_metrics_collection="0")
+
+
+def make_pairs(model_dir: Path, count: int) -> list[dict]:
+    from stages import data, preprocess
+    from stages.models import load_tokenizer
+    cfg = preprocess.Config(source="imdb", prompt_words=8, max_prompt_tokens=64, max_response_tokens=48,
+                            num_train=1, num_eval=1, instruction="Continue this movie review:",
+                            num_pairs_train=count, num_pairs_eval=1, num_rl_prompts=1, preference_train_file=None,
+                            preference_eval_file=None, seed=0)
+    stats = {"dropped_short": 0, "dropped_long_prompt": 0, "truncated_response": 0, "prompt_tokens": [],
+             "response_tokens": []}
+    reviews = data.load_reviews("imdb")
+    random.Random(0).shuffle(reviews)
+    return preprocess.make_pairs(reviews[:4 * count], count, cfg, load_tokenizer(model_dir), stats, random.Random(1))
+
+
+class StepTimer:
+    """Stands in for the MLflow run: records when each step's metrics arrive."""
+    checkpoint_dir = None
+
+    def __init__(self):
+        self.times = [time.perf_counter()]
+
+    def log_metrics(self, metrics, step=None):
+        self.times.append(time.perf_counter())
+
+
+def bench_alignpipe(model_dir: Path, pairs: list[dict], batch: int, steps: int) -> list[float]:
+    import ray
+    from stages import dpo, trainer
+    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=tempfile.mkdtemp(prefix="ray-bench-", dir="/tmp"),
+             logging_level="WARNING")
+    cfg = dpo.Config(zero_stage=2, num_workers=2, epochs=1, batch_size=batch, micro_batch_size=batch // 2,
+                     learning_rate=5e-6, weight_decay=0.0, warmup_steps=0, max_grad_norm=1.0, checkpoint_every=0,
+                     seed=0, loss="dpo", beta=0.1, label_smoothing=0.0, nll_weight=0.0, simpo_gamma=0.5,
+                     kto_desirable_weight=1.0, kto_undesirable_weight=1.0)
+    loss_cfg = {k: getattr(cfg, k) for k in ("loss", "beta", "label_smoothing", "nll_weight", "simpo_gamma",
+                                             "kto_desirable_weight", "kto_undesirable_weight")}
+    group = trainer.start_workers(dpo.DPOWorker, cfg, model_dir, steps, {"dpo": loss_cfg})
+    timer = StepTimer()
+    trainer.fit(group, cfg, pairs[:steps * batch], "alignpipe-dpo", timer)
+    group.shutdown()
+    ray.shutdown()
+    return [b - a for a, b in zip(timer.times, timer.times[1:])]
+
+
+def bench_trl(model_dir: Path, pairs: list[dict], batch: int, steps: int) -> list[float]:
+    import torch
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import DPOConfig, DPOTrainer
+    from stages.models import load_causal_lm, load_tokenizer
+    torch.set_num_threads(2)
+    times = []
+
+    class Timer(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            times.append(time.perf_counter())
+
+        def on_step_end(self, args, state, control, **kw):
+            times[-1] = time.perf_counter() - times[-1]
+
+    rows = [{"prompt": p["prompt"], "chosen": p["chosen"], "rejected": p["rejected"]} for p in pairs[:steps * batch]]
+    args = DPOConfig(output_dir=tempfile.mkdtemp(prefix="trl-bench-"), per_device_train_batch_size=batch,
+                     max_steps=steps, learning_rate=5e-6, beta=0.1, loss_type=["sigmoid"], max_length=112,
+                     use_cpu=True, report_to=[], logging_steps=1, save_strategy="no", seed=0, warmup_steps=0,
+                     dataloader_num_workers=0, bf16=False, fp16=False)
+    trainer = DPOTrainer(model=load_causal_lm(model_dir), ref_model=load_causal_lm(model_dir), args=args,
+                         train_dataset=Dataset.from_list(rows), processing_class=load_tokenizer(model_dir),
+                         callbacks=[Timer()])
+    trainer.train()
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", type=Path, default=REPO / "results" / "bench" / "smollm2-135m-instruct")
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--only", choices=["alignpipe", "trl"], help="run one side (the other side's subprocess)")
+    args = parser.parse_args()
+    if not (args.model / "config.json").exists():
+        from stages.models import build_smollm2
+        args.model.mkdir(parents=True, exist_ok=True)
+        build_smollm2(args.model)
+    pairs = make_pairs(args.model, args.steps * args.batch)
+    if args.only:
+        times = (bench_alignpipe if args.only == "alignpipe" else bench_trl)(args.model, pairs, args.batch, args.steps)
+        print("STEP_TIMES " + json.dumps(times), flush=True)
+        return
+    import subprocess
+    results = {}
+    for side in ("alignpipe", "trl"):  # separate processes: neither inherits the other's threads or memory
+        out = subprocess.run([sys.executable, __file__, "--only", side, "--model", str(args.model), "--steps",
+                              str(args.steps), "--batch", str(args.batch)], capture_output=True, text=True)
+        line = [l for l in out.stdout.splitlines() if l.startswith("STEP_TIMES ")]
+        if out.returncode != 0 or not line:
+            sys.exit(f"{side} failed:\n{out.stdout[-3000:]}\n{out.stderr[-5000:]}")
+        times = json.loads(line[0].removeprefix("STEP_TIMES "))
+        steady = times[args.warmup:]
+        results[side] = {"step_seconds": times, "steady_seconds_per_step": statistics.fmean(steady),
+                         "pairs_per_second": args.batch / statistics.fmean(steady)}
+        print(f"{side}: {results[side]['pairs_per_second']:.3f} pairs/s "
+              f"({results[side]['steady_seconds_per_step']:.2f} s/step)", flush=True)
+    results["setup"] = {"model": "SmolLM2-135M-Instruct", "batch": args.batch, "steps": args.steps,
+                        "warmup_steps_excluded": args.warmup, "max_prompt_tokens": 64, "max_response_tokens": 48}
+    out_dir = REPO / "bench" / "results"
+    out_dir.mkdir(exist_ok=True)
+    (out_dir / "dpo_throughput.json").write_text(json.dumps(results, indent=2))
+    print(f"ratio alignpipe/trl: {results['alignpipe']['pairs_per_second'] / results['trl']['pairs_per_second']:.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,146 @@
+"""GRPO step throughput: alignpipe's rl stage machinery vs TRL's GRPOTrainer, same model/data/batch.
+
+    make bench-grpo       # or: .venv/bin/python bench/grpo_throughput.py --steps 4
+Both run GRPO on SmolLM2-135M-Instruct with the same IMDB-opening prompts, 4 prompts x 4 samples per step,
+32 new tokens, the same reward function (config/rewards/sentiment.py), batch 16, fp32, on all of this
+machine's cores. alignpipe: 2 DeepSpeed ZeRO-2 policy ranks, a reference actor and a vLLM engine as Ray
+actors, weights synced to vLLM every step. TRL: one process, generation with transformers' generate.
+Steady-state seconds per step exclude the first `--warmup` steps; results in bench/results/grpo_throughput.json.
+"""
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+os.environ.update(HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", RAY_AUTH_MODE="disabled",
+                  RAY_USAGE_STATS_ENABLED="0", RAY_enable_metrics_collection="0", VLLM_ENABLE_V1_MULTIPROCESSING="0",
+                  VLLM_CPU_KVCACHE_SPACE="1")
+PROMPTS, SAMPLES, NEW_TOKENS = 4, 4, 32
+REWARD_FILE = REPO / "config" / "rewards" / "sentiment.py"
+
+
+def prompts(model_dir: Path, count: int) -> list[dict]:
+    from stages import data, preprocess
+    from stages.models import load_tokenizer
+    cfg = preprocess.Config(source="imdb", prompt_words=8, max_prompt_tokens=64, max_response_tokens=32,
+                            num_train=1, num_eval=1, instruction="Continue this movie review:", num_pairs_train=1,
+                            num_pairs_eval=1, num_rl_prompts=1, preference_train_file=None,
+                            preference_eval_file=None, seed=0)
+    stats = {"dropped_short": 0, "dropped_long_prompt": 0, "truncated_response": 0, "prompt_tokens": [],
+             "response_tokens": []}
+    reviews = data.load_reviews("imdb")
+    random.Random(0).shuffle(reviews)
+    rows = preprocess.take(reviews, count, cfg, load_tokenizer(model_dir), stats)
+    return [{"id": i, **r} for i, r in enumerate(rows)]
+
+
+def bench_alignpipe(model_dir: Path, rows: list[dict], steps: int) -> list[float]:
+    import ray
+    from stages import rl
+    from stages.config import rl_variant, validate_config
+    from stages.models import load_tokenizer
+    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=tempfile.mkdtemp(prefix="ray-bench-", dir="/tmp"),
+             logging_level="WARNING")
+    settings = validate_config({"rl": {"estimator": "group_norm", "rollout_batch_size": PROMPTS,
+                                       "n_samples": SAMPLES, "max_new_tokens": NEW_TOKENS, "batch_size": 16,
+                                       "micro_batch_size": 4, "reward": str(REWARD_FILE.relative_to(REPO)),
+                                       "normalize_reward": False, "steps": steps}})
+    cfg = rl.Config.from_params({"rl": rl_variant(settings, "grpo"), "variant": "grpo", "seed": 0})
+    tokenizer = load_tokenizer(model_dir)
+    for r in rows:
+        r["prompt_ids"] = tokenizer(r["prompt"], add_special_tokens=False)["input_ids"]
+    roles = rl.Roles(cfg, {"model": model_dir}, steps, 2, 64 + NEW_TOKENS + 8)
+    sync_dir = Path(tempfile.mkdtemp(prefix="sync-"))
+    times = []
+    for s in range(steps):
+        t0 = time.perf_counter()
+        batch = rows[s * PROMPTS:(s + 1) * PROMPTS]
+        samples = rl.generate(roles, batch, SAMPLES, cfg, s * 1000, cfg.temperature)
+        rl.make_experience(roles, cfg, samples, cfg.kl_coef, {"mean": 0.0, "std": 1.0})
+        rl.train_on(roles.policy, cfg, samples, random.Random(s))
+        rl.sync_weights(roles, sync_dir, model_dir)
+        times.append(time.perf_counter() - t0)
+    ray.shutdown()
+    return times
+
+
+def bench_trl(model_dir: Path, rows: list[dict], steps: int) -> list[float]:
+    import importlib.util
+    import torch
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+    from stages.models import load_causal_lm, load_tokenizer
+    torch.set_num_threads(2)
+    spec = importlib.util.spec_from_file_location("reward", REWARD_FILE)
+    reward_module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(reward_module)
+
+    def sentiment_reward(prompts, completions, **kw):
+        return reward_module.reward_fn(prompts, completions, None)
+
+    times = []
+
+    class Timer(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            times.append(time.perf_counter())
+
+        def on_step_end(self, args, state, control, **kw):
+            times[-1] = time.perf_counter() - times[-1]
+
+    args = GRPOConfig(output_dir=tempfile.mkdtemp(prefix="trl-bench-"), per_device_train_batch_size=PROMPTS * SAMPLES,
+                      num_generations=SAMPLES, max_completion_length=NEW_TOKENS, max_steps=steps,
+                      learning_rate=1e-6, beta=0.01, use_cpu=True, report_to=[], logging_steps=1,
+                      save_strategy="no", seed=0, bf16=False, fp16=False, dataloader_num_workers=0)
+    trainer = GRPOTrainer(model=load_causal_lm(model_dir), reward_funcs=sentiment_reward, args=args,
+                          train_dataset=Dataset.from_list([{"prompt": r["prompt"]} for r in rows]),
+                          processing_class=load_tokenizer(model_dir), callbacks=[Timer()])
+    trainer.train()
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", type=Path, default=REPO / "results" / "bench" / "smollm2-135m-instruct")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--only", choices=["alignpipe", "trl"])
+    args = parser.parse_args()
+    if not (args.model / "config.json").exists():
+        from stages.models import build_smollm2
+        args.model.mkdir(parents=True, exist_ok=True)
+        build_smollm2(args.model)
+    rows = prompts(args.model, args.steps * PROMPTS)
+    if args.only:
+        times = (bench_alignpipe if args.only == "alignpipe" else bench_trl)(args.model, rows, args.steps)
+        print("STEP_TIMES " + json.dumps(times), flush=True)
+        return
+    results = {}
+    for side in ("alignpipe", "trl"):
+        out = subprocess.run([sys.executable, __file__, "--only", side, "--model", str(args.model), "--steps",
+                              str(args.steps)], capture_output=True, text=True)
+        line = [l for l in out.stdout.splitlines() if l.startswith("STEP_TIMES ")]
+        if out.returncode != 0 or not line:
+            sys.exit(f"{side} failed:\n{out.stdout[-3000:]}\n{out.stderr[-5000:]}")
+        times = json.loads(line[0].removeprefix("STEP_TIMES "))
+        steady = statistics.fmean(times[args.warmup:])
+        results[side] = {"step_seconds": times, "steady_seconds_per_step": steady,
+                         "samples_per_second": PROMPTS * SAMPLES / steady}
+        print(f"{side}: {steady:.2f} s/step, {PROMPTS * SAMPLES / steady:.3f} samples/s", flush=True)
+    results["setup"] = {"model": "SmolLM2-135M-Instruct", "prompts_per_step": PROMPTS, "samples_per_prompt": SAMPLES,
+                        "max_new_tokens": NEW_TOKENS, "steps": args.steps, "warmup_steps_excluded": args.warmup}
+    out_dir = REPO / "bench" / "results"
+    out_dir.mkdir(exist_ok=True)
+    (out_dir / "grpo_throughput.json").write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,107 @@
+"""Where a stage runs and how big its job is: config, per-stage overrides, profile resources, and the errors
+a bad request gives before anything is queued. Pure Python (no cluster needed)."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from stages.config import REPO_ROOT, validate_config
+from stages.launcher import LaunchConfigError, check_fits, sbatch_flags, stage_resources
+from stages.ray_cluster import base_port, node_addresses, ray_start_command
+
+
+def launcher(**overrides) -> dict:
+    return validate_config({"launcher": overrides})["launcher"]
+
+
+def test_precedence_config_then_stage_then_profile():
+    block = launcher(mem_gb=8, partition="cpu", stages={"sft": {"nodes": 2, "partition": "gpu", "gpus_per_node": 4}})
+    res, sources = stage_resources("sft", block, {"cluster": "slurm", "account": "lab", "mem_gb": 64, "tmpdir": "/tmp"})
+    assert (res["cluster"], res["nodes"], res["gpus_per_node"], res["partition"]) == ("slurm", 2, 4, "gpu")
+    assert (res["mem_gb"], res["account"], res["cpus_per_node"]) == (64, "lab", 2)
+    assert sources["nodes"] == "launcher.stages.sft.nodes" and sources["cpus_per_node"] == "launcher.cpus_per_node"
+    assert "profile" in sources["mem_gb"]
+    # Another stage only sees the launcher-wide keys.
+    other, _ = stage_resources("evaluate", block, {"cluster": "slurm"})
+    assert (other["nodes"], other["partition"], other["gpus_per_node"]) == (1, "cpu", 0)
+
+
+def test_profile_values_arrive_as_strings_and_are_checked():
+    res, _ = stage_resources("sft", launcher(), {"cluster": "slurm", "nodes": "2", "mem_gb": "2.5",
+                                                 "sbatch_extra": "--qos=high --exclusive"})
+    assert res["nodes"] == 2 and res["mem_gb"] == 2.5
+    assert res["sbatch_options"] == {"qos": "high", "exclusive": True}
+    assert "--qos=high" in sbatch_flags(res) and "--exclusive" in sbatch_flags(res)
+    assert "--nodes=2" in sbatch_flags(res) and "--requeue" in sbatch_flags(res)
+
+
+@pytest.mark.parametrize("profile, fragments", [
+    ({"nodes": "two"}, ["nodes", "of rule sft", "'two'", "whole number >= 1"]),
+    ({"cluster": "kubernetes"}, ["cluster", "'kubernetes'", "local", "slurm"]),
+    ({"gpus_per_node": -1}, ["gpus_per_node", "whole number >= 0"]),
+    ({"mem_gb": 0}, ["mem_gb", "> 0"]),
+    ({"sbatch_extra": "--nodes=4"}, ["--nodes is set by the launcher", "nodes"]),
+    ({"sbatch_extra": "--time=10"}, ["--time is set by the launcher", "timeout_min"]),
+    ({"sbatch_extra": "-q high"}, ["'-q' is not a long sbatch option"]),
+    ({"slurm_partition": "gpu"}, ["slurm_partition", "not read", "use `partition`"]),
+    ({"runtime": 60}, ["runtime", "use `timeout_min`"]),
+])
+def test_bad_profile_resources_name_the_resource(profile, fragments):
+    with pytest.raises(LaunchConfigError) as err:
+        stage_resources("sft", launcher(), {"cluster": "slurm", **profile})
+    for fragment in fragments:
+        assert fragment in str(err.value), str(err.value)
+
+
+def test_local_executor_cannot_span_nodes():
+    with pytest.raises(LaunchConfigError, match=r"launcher.stages.sft.nodes = 2.*local executor.*1 node"):
+        stage_resources("sft", launcher(stages={"sft": {"nodes": 2}}), {})
+    stage_resources("sft", launcher(stages={"sft": {"nodes": 2}}), {"cluster": "slurm"})  # fine on Slurm
+
+
+def test_training_workers_must_fit_the_job():
+    res, sources = stage_resources("sft", launcher(cpus_per_node=2), {"cluster": "slurm"})
+    check_fits("sft", {"sft": {"num_workers": 2}, "seed": 0}, res, sources)
+    with pytest.raises(LaunchConfigError, match=r"sft.num_workers = 3 .* 1 node\(s\) .* x 2 CPUs .* = 2"):
+        check_fits("sft", {"sft": {"num_workers": 3}, "seed": 0}, res, sources)
+    res, sources = stage_resources("sft", launcher(cpus_per_node=2, stages={"sft": {"nodes": 2}}), {"cluster": "slurm"})
+    check_fits("sft", {"sft": {"num_workers": 3}, "seed": 0}, res, sources)
+
+
+def test_schema_rejects_unknown_stage_and_bad_values():
+    from stages.config import ConfigError
+    with pytest.raises(ConfigError, match=r"unknown key launcher.stages.stf; valid keys here: .*sft"):
+        validate_config({"launcher": {"stages": {"stf": {"nodes": 2}}}})
+    with pytest.raises(ConfigError, match=r"launcher.stages.sft.gpus_per_node = -1 is out of range"):
+        validate_config({"launcher": {"stages": {"sft": {"gpus_per_node": -1}}}})
+
+
+def test_slurm_profile_is_found_by_name_from_the_repository_root(tmp_path):
+    """`snakemake --profile slurm` resolves ./slurm first: the link to cluster_profiles/slurm."""
+    link = REPO_ROOT / "slurm"
+    assert link.is_symlink() and link.resolve() == (REPO_ROOT / "cluster_profiles" / "slurm").resolve()
+    config = tmp_path / "c.yaml"
+    config.write_text(json.dumps({"experiment": "profile-check", "results_dir": str(tmp_path / "results")}))
+    proc = subprocess.run([str(Path(sys.executable).with_name("snakemake")), "--profile", "slurm", "all", "--configfile", str(config), "--dry-run", "--printshellcmds"],
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # The profile's default resource reaches each launcher call; nothing was run or written.
+    assert '"cluster": "slurm"' in proc.stdout
+    assert not (tmp_path / "results").exists()
+
+
+def test_ray_addresses_and_ports():
+    assert node_addresses(0, ["anything"], "local") == ("127.0.0.1", "127.0.0.1")
+    head, mine = node_addresses(0, ["localhost"], "slurm")  # single node: this host's own address
+    assert head == mine
+    assert base_port("12", 0, 0) != base_port("12", 0, 1), "a requeued job must get fresh ports"
+    assert base_port("12", 0) == base_port("12", 0) and base_port("12", 31000) == 31000
+    res = {"cpus_per_node": 2, "gpus_per_node": 1, "mem_gb": 4}
+    head_cmd = ray_start_command(None, "10.0.0.1", 30000, res, "/tmp/x")
+    assert "--head" in head_cmd and "--include-dashboard=false" in head_cmd and "--block" in head_cmd
+    assert "--port=30000" in head_cmd and "--num-gpus=1" in head_cmd and "--node-ip-address=10.0.0.1" in head_cmd
+    worker_cmd = ray_start_command("10.0.0.1:30000", "10.0.0.2", 30000, res, "/tmp/y")
+    assert "--address=10.0.0.1:30000" in worker_cmd and "--head" not in worker_cmd
+    assert not any(arg.startswith("--ray-client-server-port") for arg in worker_cmd)
