@@ -185,10 +185,12 @@ def stage_resources(stage: str, launcher: dict, profile: dict | None = None) -> 
 
 
 def check_fits(stage: str, params: dict, resources: dict, sources: dict) -> None:
-    """A training stage's Ray actors (1 CPU each) must fit the job, or Ray would wait for them forever."""
-    workers = (params.get(stage) or {}).get("num_workers") if isinstance(params.get(stage), dict) else None
+    """A training stage's Ray actors (1 CPU each) must fit the job, or Ray would wait for them forever.
+    (A stage whose roles share the job's cores, `colocate: true`, places them itself.)"""
+    block = params.get(stage) if isinstance(params.get(stage), dict) else {}
+    workers = block.get("num_workers")
     capacity = resources["nodes"] * resources["cpus_per_node"]
-    if isinstance(workers, int) and workers > capacity:
+    if isinstance(workers, int) and workers > capacity and not block.get("colocate"):
         raise LaunchConfigError(
             f"{stage}.num_workers = {workers} Ray actors (1 CPU each) do not fit the stage's job: "
             f"{resources['nodes']} node(s) ({sources['nodes']}) x {resources['cpus_per_node']} CPUs "

@@ -7,7 +7,7 @@ import pytest
 import mlflow
 from mlflow.tracking import MlflowClient
 
-from conftest import snakemake, write_config
+from pipeline_helpers import snakemake, write_config
 
 pytestmark = pytest.mark.e2e
 RM_ACCURACY_BAR = 0.55  # measured: 0.586 on 128 held-out pairs

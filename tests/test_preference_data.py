@@ -4,7 +4,7 @@ import json
 import pytest
 import yaml
 
-from conftest import snakemake, write_config
+from pipeline_helpers import snakemake, write_config
 from stages import preprocess
 from stages.data import PreferenceDataError, read_preference_file
 from stages.models import train_tiny_tokenizer

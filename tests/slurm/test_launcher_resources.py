@@ -68,6 +68,8 @@ def test_training_workers_must_fit_the_job():
         check_fits("sft", {"sft": {"num_workers": 3}, "seed": 0}, res, sources)
     res, sources = stage_resources("sft", launcher(cpus_per_node=2, stages={"sft": {"nodes": 2}}), {"cluster": "slurm"})
     check_fits("sft", {"sft": {"num_workers": 3}, "seed": 0}, res, sources)
+    res, sources = stage_resources("rl", launcher(cpus_per_node=2), {"cluster": "slurm"})
+    check_fits("rl", {"rl": {"num_workers": 4, "colocate": True}}, res, sources)  # its roles share the cores
 
 
 def test_schema_rejects_unknown_stage_and_bad_values():

@@ -119,11 +119,18 @@ def test_submitit_two_node_job_returns_one_result_per_task(slurm_cluster, tmp_pa
 def test_sacct_lists_the_finished_job(slurm_cluster, tmp_path):
     job_id = _sbatch(tmp_path, "--wait", "--job-name=acct-check", "--wrap", "echo hello")
 
-    def state():
-        out = _run("sacct", "-X", "-n", "-P", "-j", job_id, "-o", "JobID,JobName,State,ExitCode")
-        return out.strip() if "COMPLETED" in out else None
+    expected = f"{job_id}|acct-check|COMPLETED|0:0"
+    seen = []
 
-    assert _wait_until(state, 60, f"sacct to list job {job_id}") == f"{job_id}|acct-check|COMPLETED|0:0"
+    def state():
+        # slurmdbd may first record the job under a placeholder name ("allocation"); wait for the full record.
+        seen.append(_run("sacct", "-X", "-n", "-P", "-j", job_id, "-o", "JobID,JobName,State,ExitCode").strip())
+        return seen[-1] == expected
+
+    try:
+        _wait_until(state, 60, f"sacct to list job {job_id}")
+    except AssertionError:
+        raise AssertionError(f"sacct never showed {expected!r}; last: {seen[-1:]}") from None
 
 
 def test_cancelled_submitit_job_raises_uncompleted(slurm_cluster, tmp_path):
