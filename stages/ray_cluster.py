@@ -28,6 +28,7 @@ PORTS = {"port": 0, "node-manager-port": 1, "object-manager-port": 2, "ray-clien
          "metrics-export-port": 7}
 WORKER_PORTS = (10, 99)
 JOIN_TIMEOUT_S = 300      # how long the head waits for every node, and a worker for the head
+WORKER_ATTEMPTS = 3       # `ray start --address` tries per worker
 HEAD_MISSES = 3           # a worker leaves after this many failed checks (2 s apart) of the head's port
 
 
@@ -131,12 +132,27 @@ def ray_cluster(job_env, res: dict):
           f"{'head at ' + head_address if rank == 0 else 'worker -> ' + head_address}", flush=True)
     proc = None
     log = open(log_path, "w")
+    cmd = ray_start_command(None if rank == 0 else head_address, my_ip, port, res, temp_dir)
+
+    def start():
+        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True, env=os.environ | {"RAY_AUTH_MODE": "disabled"})
+
     try:
         if rank != 0:
             _wait_for_head(head_ip, port)
-        cmd = ray_start_command(None if rank == 0 else head_address, my_ip, port, res, temp_dir)
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True, env=os.environ | {"RAY_AUTH_MODE": "disabled"})
+            for attempt in range(1, WORKER_ATTEMPTS + 1):  # joining a head that is still starting can fail
+                proc = start()
+                if _started(proc, log_path):
+                    break
+                _stop(proc)
+                if attempt == WORKER_ATTEMPTS or not _head_alive(head_ip, port):
+                    raise RuntimeError(f"the Ray worker could not join the head at {head_address}; its log:\n"
+                                       f"{_log_tail(log_path)}")
+                print(f"[ray] task {rank}: joining {head_address} failed; retrying", flush=True)
+                time.sleep(5)
+        else:
+            proc = start()
         if rank == 0:
             _connect(head_address, my_ip, proc, log_path)
             info.nodes = wait_for_nodes(num_nodes, proc, log_path)
@@ -163,6 +179,18 @@ def _log_tail(path: Path, chars: int = 3000) -> str:
         return "(no log)"
 
 
+def _started(proc: subprocess.Popen, log_path: Path, timeout_s: float = JOIN_TIMEOUT_S) -> bool:
+    """Wait until `ray start` says its node runs (True) or exits (False)."""
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        if "Ray runtime started" in _log_tail(log_path, 1 << 20):
+            return True
+        if proc.poll() is not None:
+            return False
+        time.sleep(0.5)
+    return False
+
+
 def _wait_for_head(host: str, port: int, timeout_s: float = JOIN_TIMEOUT_S) -> None:
     deadline = time.time() + timeout_s
     while not _head_alive(host, port):
@@ -171,15 +199,27 @@ def _wait_for_head(host: str, port: int, timeout_s: float = JOIN_TIMEOUT_S) -> N
         time.sleep(1)
 
 
-def _connect(address: str, my_ip: str, proc: subprocess.Popen, log_path: Path, timeout_s: float = 120) -> None:
+def _connect(address: str, my_ip: str, proc: subprocess.Popen, log_path: Path, timeout_s: float = JOIN_TIMEOUT_S,
+             attempts: int = 3) -> None:
+    """Connect the driver once the head node is up: `ray start` says "Ray runtime started" when its services
+    are (an open GCS port alone is not enough on a loaded machine); a slow GCS gets a few tries."""
     import ray
-    host, port = address.rsplit(":", 1)
     deadline = time.time() + timeout_s
-    while not _head_alive(host, int(port)):
+    while "Ray runtime started" not in _log_tail(log_path, 1 << 20):
         if proc.poll() is not None or time.time() > deadline:
             raise RuntimeError(f"Ray head did not start (exit code {proc.poll()}); its log:\n{_log_tail(log_path)}")
         time.sleep(0.5)
-    ray.init(address=address, _node_ip_address=my_ip, log_to_driver=True, logging_level="WARNING")
+    for attempt in range(1, attempts + 1):
+        try:
+            ray.init(address=address, _node_ip_address=my_ip, log_to_driver=True, logging_level="WARNING")
+            return
+        except Exception as err:  # e.g. "Timed out while waiting for GCS to become available"
+            with contextlib.suppress(Exception):
+                ray.shutdown()
+            if attempt == attempts or proc.poll() is not None:
+                raise
+            print(f"[ray] connecting to the head at {address} failed ({err}); retrying", flush=True)
+            time.sleep(5)
 
 
 def wait_for_nodes(expected: int, proc: subprocess.Popen | None = None, log_path: Path | None = None,

@@ -8,7 +8,7 @@ import pytest
 from stages.config import REPO_ROOT, load_config_files, rl_variant
 from stages.launcher import StageJob, make_executor, stage_resources
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.needs_verification]
 STEPS, EVERY = 6, 2
 
 

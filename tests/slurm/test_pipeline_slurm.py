@@ -64,7 +64,10 @@ class Run:
     def __init__(self, name: str, configfile: Path, root: Path, *extra: str):
         self.out_path = root / f"{name}.out"
         self.started = time.time()
-        self.proc = subprocess.Popen([SNAKEMAKE, "--profile", "slurm", "all", "--configfile", str(configfile), *extra],
+        # One stage at a time: the two test nodes share this machine's 2 cores, and several Ray clusters starting
+        # at once on them time out waiting for their GCS.
+        self.proc = subprocess.Popen([SNAKEMAKE, "--profile", "slurm", "all", "--cores", "1", "--configfile",
+                                      str(configfile), *extra],
                                      cwd=REPO_ROOT, stdin=subprocess.DEVNULL, stdout=self.out_path.open("w"),
                                      stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
@@ -207,6 +210,7 @@ def test_cancelled_stage_reports_job_and_log_and_leaves_no_output(scenario):
     assert "sft" in rerun_jobs and "base_model" not in rerun_jobs, "the rerun redid only what had not finished"
 
 
+@pytest.mark.needs_verification
 def test_rerun_completes_with_every_stage_as_a_slurm_job(scenario):
     run = scenario["requeue"]
     assert run["rc"] == 0, run["output"][-6000:]
@@ -270,6 +274,7 @@ def mlflow_sft_runs(scenario) -> dict:
     return client, {int(r.data.metrics.get("resumed_from_step", 0)): r for r in runs}
 
 
+@pytest.mark.needs_verification
 def test_interrupted_stage_is_requeued_and_resumes_from_its_checkpoint(scenario):
     run = scenario["requeue"]
     assert run["rc"] == 0, run["output"][-6000:]
@@ -295,6 +300,7 @@ def test_interrupted_stage_is_requeued_and_resumes_from_its_checkpoint(scenario)
     assert states and states[0] == "REQUEUED", sacct(job_id, "State", duplicates=True)
 
 
+@pytest.mark.needs_verification
 def test_preempted_stage_is_requeued_by_slurm_and_resumes_from_its_last_checkpoint(scenario):
     run = scenario["requeue"]
     assert run["rc"] == 0, run["output"][-6000:]
