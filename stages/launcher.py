@@ -24,6 +24,7 @@ import json
 import math
 import os
 import random
+import re
 import shlex
 import shutil
 import signal
@@ -50,6 +51,9 @@ JOB_ENV = {
     "VLLM_NO_USAGE_STATS": "1",
     "VLLM_CPU_KVCACHE_SPACE": "1",
     "PYTHONUNBUFFERED": "1",
+    # Ray's native handler prints ~1000 lines of unsymbolised stack frames when Slurm stops a job (SIGTERM on
+    # cancel, requeue, preemption), burying the log's useful end.
+    "RAY_DISABLE_FAILURE_SIGNAL_HANDLER": "1",
 }
 
 # Where a stage's job runs and how big it is. The same names work in the config (`launcher.<key>`,
@@ -405,7 +409,10 @@ def launch_stage(job: dict, job_io: dict, output: str, context: dict) -> None:
                         output=str(output_path), experiment=context["experiment"],
                         tracking_uri=tracking_uri(context), resources=resources,
                         checkpoint_dir=str(checkpoint_dir(context, run_name, job["config"])))
-    submitted = make_executor(stage, log_dir, resources).submit(job_spec)
+    try:
+        submitted = make_executor(stage, log_dir, resources).submit(job_spec)
+    except Exception as err:  # e.g. sbatch refusing what --test-only accepted a moment ago
+        raise StageFailed(f"stage {run_name} could not be submitted ({describe(resources)}): {err}") from None
     logs = [JobPaths(log_dir, job_id=submitted.job_id, task_id=task).stdout for task in range(resources["nodes"])]
     where = f"slurm: {describe(resources)}" if resources["cluster"] == "slurm" else "local: this machine"
     print(f"[alignpipe] {run_name}: job {submitted.job_id} submitted ({where}), log {logs[0]}"
@@ -554,11 +561,27 @@ def failure_report(run_name: str, job, logs: list[Path], resources: dict, state:
     return text + f"--- error ---\n{err}"
 
 
+NATIVE_FRAME = re.compile(r"^(\[[^]]*\] )?(\S+: )?(\S+\.cc:\d+: )?\s*(@ |PC: @|\*\*\* SIG\w+ received)")
+
+
 def tail(path: Path, lines: int = 40) -> str:
+    """The last `lines` lines of a log, without native stack dumps (noted in one line where they were)."""
     try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+        text = path.read_text(errors="replace").splitlines()
     except FileNotFoundError:
         return "(no log was written)"
+    kept, dropped = [], 0
+    for line in text:
+        if NATIVE_FRAME.match(line):
+            dropped += 1
+            continue
+        if dropped:
+            kept.append(f"(... {dropped} lines of a native stack dump left out ...)")
+            dropped = 0
+        kept.append(line)
+    if dropped:
+        kept.append(f"(... {dropped} lines of a native stack dump left out ...)")
+    return "\n".join(kept[-lines:])
 
 
 def main(argv=None) -> int:
