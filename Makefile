@@ -22,9 +22,13 @@ $(ENV_STAMP): envs/cpu.txt envs/cpu.lock.txt pyproject.toml
 	$(VENV)/bin/pip install --quiet --no-deps --no-build-isolation -e .
 	touch $@
 
+# The demo's results directory, from its config (results_dir/experiment).
+DEMO_RESULTS = $(shell sed -n 's/^results_dir: *//p' config/default.yaml)/$(shell sed -n 's/^experiment: *//p' config/default.yaml)
+
 demo: venv
 	$(SNAKEMAKE) --profile cluster_profiles/local all
-	@echo "Report: $$(ls -d results/*/report/report.md 2>/dev/null | head -1)"
+	$(SNAKEMAKE) --profile cluster_profiles/local --report $(DEMO_RESULTS)/report.html
+	@echo "Report: $(DEMO_RESULTS)/report/report.md (tables: results.md/.tex/.csv; HTML: $(DEMO_RESULTS)/report.html)"
 
 test: venv
 	$(VENV)/bin/python -m pytest

@@ -2,6 +2,7 @@
 #   make demo                                              # default experiment, local executor
 #   .venv/bin/snakemake --profile cluster_profiles/local all --configfile config/tiny.yaml
 configfile: "config/default.yaml"
+report: "workflow/report/workflow.rst"
 
 
 include: "workflow/rules/common.smk"

@@ -1,20 +1,88 @@
-"""Figures: training curves."""
+"""Figures of tracked runs (see reports/tables.py for what a run is), each saved as PNG and PDF with the
+provenance JSON (MLflow run ids, git commits, config hashes) in the file's metadata."""
+import statistics
 from pathlib import Path
 
 
-def training_curves(curves: dict[str, list[dict]], path: Path) -> None:
-    """curves: {stage: [{"step", "loss", ...}]} -> one PNG, a panel per stage (their losses differ in scale)."""
+def _pyplot():
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, len(curves), figsize=(4 * len(curves), 3.2), dpi=120, squeeze=False)
-    for ax, (name, log) in zip(axes[0], curves.items()):
-        ax.plot([r["step"] for r in log], [r["loss"] for r in log], marker=".", label=f"{name} training loss")
-        ax.set_title(name)
+    return plt
+
+
+def _save(fig, paths: list[Path], metadata: str) -> None:
+    for path in paths:
+        # PNG takes any text key; PDF only its standard ones, of which Subject fits.
+        info = {"Description": metadata} if path.suffix == ".png" else {"Subject": metadata}
+        fig.savefig(path, metadata=info)
+    _pyplot().close(fig)
+
+
+def _by_method(runs: list[dict]) -> dict[str, list[dict]]:
+    grouped: dict[str, list[dict]] = {}
+    for run in runs:
+        grouped.setdefault(run["method"], []).append(run)
+    return grouped
+
+
+def reward_vs_step(runs: list[dict], paths: list[Path], metadata: str) -> None:
+    """RL runs: training reward against step, one line per method (mean over seeds) with a ±std band."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(5.5, 3.6), dpi=120)
+    for method, group in _by_method(runs).items():
+        steps = sorted(set.intersection(*(set(dict(r["history"]["reward_mean"])) for r in group)))
+        values = [[dict(r["history"]["reward_mean"])[s] for r in group] for s in steps]
+        mean = [statistics.fmean(v) for v in values]
+        line, = ax.plot(steps, mean, label=f"{method} (n={len(group)})")
+        if len(group) > 1:
+            std = [statistics.stdev(v) for v in values]
+            ax.fill_between(steps, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)],
+                            color=line.get_color(), alpha=0.2, linewidth=0)
+    ax.set_xlabel("RL step")
+    ax.set_ylabel("training reward (mean of the step's samples)")
+    ax.set_title("Reward during RL (mean ± std over seeds)", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    _save(fig, paths, metadata)
+
+
+def kl_reward_frontier(runs: list[dict], paths: list[Path], metadata: str) -> None:
+    """Evaluations: held-out reward against KL to the base model; a dot per seed, the mean ± std as a cross."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(5.5, 3.6), dpi=120)
+    for method, group in _by_method(runs).items():
+        kl = [r["metrics"]["kl_to_reference"] for r in group]
+        reward = [r["metrics"]["reward_mean"] for r in group]
+        points = ax.scatter(kl, reward, s=14, alpha=0.5)
+        spread = (lambda v: statistics.stdev(v) if len(v) > 1 else 0.0)
+        ax.errorbar(statistics.fmean(kl), statistics.fmean(reward), xerr=spread(kl), yerr=spread(reward), fmt="o",
+                    color=points.get_facecolor()[0][:3], capsize=3, label=f"{method} (n={len(group)})")
+    ax.set_xlabel("KL to the base model (nats per response)")
+    ax.set_ylabel("held-out reward (sentiment)")
+    ax.set_title("Reward against KL: the frontier", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    _save(fig, paths, metadata)
+
+
+def training_curves(runs: list[dict], paths: list[Path], metadata: str) -> None:
+    """Trained stages: training loss against step, a panel per method (their losses differ in scale), a line
+    per seed."""
+    plt = _pyplot()
+    grouped = _by_method(runs)
+    fig, axes = plt.subplots(1, len(grouped), figsize=(3.6 * len(grouped), 3.2), dpi=120, squeeze=False)
+    for ax, (method, group) in zip(axes[0], grouped.items()):
+        for run in group:
+            history = run["history"].get("loss") or run["history"].get("policy_loss") or []
+            label = f"seed {run['seed']}" if run["seed"] is not None else method
+            ax.plot([s for s, _ in history], [v for _, v in history], marker=".", markersize=3, label=label)
+        ax.set_title(method, fontsize=10)
         ax.set_xlabel("optimizer step")
         ax.set_ylabel("training loss")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    _save(fig, paths, metadata)

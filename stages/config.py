@@ -106,6 +106,16 @@ def check_consistency(config: dict, source: str) -> None:
                           "set both (your training and held-out pairs) or neither (generated pairs)")
 
 
+def method_seeds(config: dict) -> list[int]:
+    """The seeds each method (dpo, every rl variant) runs with: `seeds`, or just `seed`."""
+    return config["seeds"] or [config["seed"]]
+
+
+def seeded_models(config: dict) -> list[str]:
+    """The models trained once per seed (the methods); base and sft are shared and have one run."""
+    return ["dpo", *config["rl"]["variants"]]
+
+
 def rl_variant(config: dict, name: str) -> dict:
     """The settings of one RL run: the rl block's keys overridden by the variant's own."""
     return {k: v for k, v in config["rl"].items() if k != "variants"} | config["rl"]["variants"][name]

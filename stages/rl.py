@@ -394,7 +394,8 @@ def run(cfg: Config, inputs: dict, output: Path, run) -> None:
             print(f"[checkpoint] step {step} -> {ckpt_dir}", flush=True)
 
     eval_after = held_out_reward(roles, cfg, eval_prompts)
-    run.log_metrics({"eval_reward": eval_after}, step=step)
+    run.log_metrics({"eval_reward": eval_after, "eval_reward_before": eval_before, "final_kl": log[-1]["kl"]},
+                    step=step)
     roles.policy.call("save_hf", str(output), str(inputs["model"]))
     shutil.rmtree(sync_dir, ignore_errors=True)
     trainer.save_log(output, log)

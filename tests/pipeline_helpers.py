@@ -1,5 +1,6 @@
 """Running the workflow from tests as a user would (imported by the test modules; not a conftest, whose
 module name would clash with tests/slurm/conftest.py)."""
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -29,3 +30,25 @@ def write_config(path: Path, results_dir: Path, **overrides) -> Path:
         config[key] = config.get(key, {}) | value if isinstance(value, dict) else value
     path.write_text(yaml.safe_dump(config))
     return path
+
+
+def submit_again(tiny_run: dict, stage_dir: Path, out_root: Path, **rl_overrides):
+    """Submit the stage that wrote `stage_dir` once more through the launcher's StageJob, with the params and
+    inputs its stage.json records (an rl stage's settings updated by `rl_overrides`), writing under `out_root`
+    and tracking to MLflow experiment `tiny-rerun`. Returns (submitit job, output dir, checkpoint dir)."""
+    from stages.config import load_config_files
+    from stages.launcher import StageJob, make_executor, stage_resources
+    record = json.loads((stage_dir / "stage.json").read_text())
+    params = record["params"]
+    if rl_overrides:
+        params = params | {"rl": params["rl"] | rl_overrides}
+    resources, _ = stage_resources(record["stage"], load_config_files([tiny_run["configfile"]])["launcher"])
+    absolute = lambda p: str(p if Path(p).is_absolute() else REPO_ROOT / p)
+    inputs = {k: [absolute(p) for p in v] if isinstance(v, list) else absolute(v) for k, v in record["inputs"].items()}
+    run_name = str(stage_dir.relative_to(tiny_run["results"]))
+    output, checkpoints = out_root / run_name, out_root / "checkpoints" / run_name.replace("/", "-")
+    job = make_executor(record["stage"], out_root / "logs", resources).submit(StageJob(
+        stage=record["stage"], run_name=run_name, params=params, inputs=inputs, output=str(output),
+        experiment="tiny-rerun", tracking_uri=tiny_run["mlflow_uri"], resources=resources,
+        checkpoint_dir=str(checkpoints)))
+    return job, output, checkpoints

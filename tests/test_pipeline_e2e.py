@@ -1,11 +1,13 @@
 """The whole DAG on the tiny config, through the real parts; then what Snakemake plans after changes."""
+import csv
 import json
 import re
+import statistics
 from pathlib import Path
 
 import pytest
-import mlflow
 from mlflow.tracking import MlflowClient
+from PIL import Image
 
 from pipeline_helpers import snakemake, write_config
 
@@ -43,20 +45,19 @@ def test_outputs_and_metrics(tiny_run):
     assert sft_metrics["steps"] == 16  # 64 rows / batch 8 * 2 epochs
     assert sft_metrics["eval_loss_after"] < sft_metrics["eval_loss_before"], "SFT did not lower held-out loss"
 
-    base = json.loads((results / "evaluate" / "base" / "metrics.json").read_text())
-    tuned = json.loads((results / "evaluate" / "sft" / "metrics.json").read_text())
+    base = json.loads((results / "evaluate" / "base" / "seed0" / "metrics.json").read_text())
+    tuned = json.loads((results / "evaluate" / "sft" / "seed0" / "metrics.json").read_text())
     assert base["kl_to_reference"] == pytest.approx(0.0, abs=1e-6), "the base model is its own reference"
     assert tuned["kl_to_reference"] > 0.1
     assert tuned["perplexity"] < base["perplexity"]
     for metrics in (base, tuned):
         assert -1 <= metrics["reward_mean"] <= 1 and 0 < metrics["response_length"] <= 16
-    samples = (results / "evaluate" / "sft" / "samples.jsonl").read_text().splitlines()
+    samples = (results / "evaluate" / "sft" / "seed0" / "samples.jsonl").read_text().splitlines()
     assert len(samples) == 4
 
     report = (results / "report" / "report.md").read_text()
-    assert "| base |" in report and "| sft |" in report and "| dpo |" in report
-    assert f"{tuned['reward_mean']:.3f}" in report
-    assert (results / "report" / "training_curves.png").read_bytes()[:4] == b"\x89PNG"
+    assert "| base | 1 |" in report and "| sft | 1 |" in report and "| dpo | 2 |" in report
+    assert f"| sft | 1 | {tuned['reward_mean']:.3f} |" in report
     assert not list(results.rglob("*.partial")), "a partial output was left behind"
 
 
@@ -72,8 +73,9 @@ def test_reward_model_beats_chance(tiny_run):
     assert f"{reward_model['eval_accuracy']:.3f}" in (results / "report" / "report.md").read_text()
 
 
-def test_dpo_widens_held_out_margin(tiny_run):
-    dpo = json.loads((tiny_run["results"] / "dpo" / "metrics.json").read_text())
+@pytest.mark.parametrize("seed", [0, 1])
+def test_dpo_widens_held_out_margin(tiny_run, seed):
+    dpo = json.loads((tiny_run["results"] / "dpo" / f"seed{seed}" / "metrics.json").read_text())
     assert dpo["eval_margin_before"] == pytest.approx(0.0, abs=1e-6), "policy starts as its own reference"
     assert dpo["eval_margin"] > DPO_MARGIN_BAR, dpo
     assert dpo["eval_chosen_reward"] > dpo["eval_rejected_reward"]
@@ -82,31 +84,43 @@ def test_dpo_widens_held_out_margin(tiny_run):
 @pytest.mark.parametrize("variant, estimator", [("grpo", "group_norm"), ("ppo", "gae")])
 def test_rl_raises_held_out_reward(tiny_run, variant, estimator):
     results = tiny_run["results"]
-    metrics = json.loads((results / "rl" / variant / "metrics.json").read_text())
-    assert metrics["estimator"] == estimator and metrics["steps"] == 32
-    assert metrics["eval_reward"] > metrics["eval_reward_before"] + RL_GAIN_BAR, metrics
-    log = [json.loads(line) for line in (results / "rl" / variant / "train_log.jsonl").read_text().splitlines()]
-    for key in ("reward_mean", "reward_std", "kl", "entropy", "clip_fraction", "response_length", "advantage_mean",
-                "time_generate", "time_make_experience", "time_train", "time_weight_sync"):
-        assert all(key in step for step in log), key
-    assert log[-1]["kl"] > 0, "the policy moved away from the reference"
-    if estimator == "gae":
-        assert all("value_loss" in step for step in log)
-    # Each step draws 8 prompts: two passes over the 128 prompts, each prompt once per pass.
-    drawn = [p for step in log for p in step["prompt_ids"]]
-    assert sorted(drawn[:128]) == sorted(drawn[128:]) == list(range(128))
-    assert (results / "rl" / variant / "model.safetensors").exists()
+    gains = []
+    for seed in (0, 1):
+        run_dir = results / "rl" / variant / f"seed{seed}"
+        metrics = json.loads((run_dir / "metrics.json").read_text())
+        assert metrics["estimator"] == estimator and metrics["steps"] == 32
+        gains.append(metrics["eval_reward"] - metrics["eval_reward_before"])
+        log = [json.loads(line) for line in (run_dir / "train_log.jsonl").read_text().splitlines()]
+        for key in ("reward_mean", "reward_std", "kl", "entropy", "clip_fraction", "response_length",
+                    "advantage_mean", "time_generate", "time_make_experience", "time_train", "time_weight_sync"):
+            assert all(key in step for step in log), key
+        assert log[-1]["kl"] > 0, "the policy moved away from the reference"
+        if estimator == "gae":
+            assert all("value_loss" in step for step in log)
+        # Each step draws 8 prompts: two passes over the 128 prompts, each prompt once per pass.
+        drawn = [p for step in log for p in step["prompt_ids"]]
+        assert sorted(drawn[:128]) == sorted(drawn[128:]) == list(range(128))
+        assert (run_dir / "model.safetensors").exists()
+    assert sum(gains) / len(gains) > RL_GAIN_BAR, gains
 
 
-def test_mlflow_runs(tiny_run):
+def mlflow_children(tiny_run) -> dict:
+    """The experiment's child runs by name."""
     client = MlflowClient(tracking_uri=tiny_run["mlflow_uri"])
     experiment = client.get_experiment_by_name("tiny")
     runs = client.search_runs([experiment.experiment_id])
     parents = [r for r in runs if r.data.tags.get("alignpipe.parent") == "true"]
     assert len(parents) == 1
-    children = {r.info.run_name: r for r in runs if r.data.tags.get("mlflow.parentRunId") == parents[0].info.run_id}
-    assert set(children) == {"base_model", "preprocess", "sft", "reward_model", "dpo", "rl/grpo", "rl/ppo",
-                             "evaluate/base", "evaluate/sft", "evaluate/dpo", "evaluate/grpo", "report"}
+    return {r.info.run_name: r for r in runs if r.data.tags.get("mlflow.parentRunId") == parents[0].info.run_id}
+
+
+def test_mlflow_runs(tiny_run):
+    client = MlflowClient(tracking_uri=tiny_run["mlflow_uri"])
+    children = mlflow_children(tiny_run)
+    grid = [f"{method}/seed{seed}" for method in ("dpo", "rl/grpo", "rl/ppo", "evaluate/dpo", "evaluate/grpo")
+            for seed in (0, 1)]
+    assert set(children) == {"base_model", "preprocess", "sft", "reward_model", "evaluate/base/seed0",
+                             "evaluate/sft/seed0", "report", *grid}
     sft = children["sft"]
     assert sft.info.status == "FINISHED"
     assert sft.data.params["sft.learning_rate"] == "0.001" and sft.data.params["sft.zero_stage"] == "2"
@@ -116,11 +130,68 @@ def test_mlflow_runs(tiny_run):
     assert len(sft.data.tags["alignpipe.config_hash"]) == 16
     history = client.get_metric_history(sft.info.run_id, "loss")
     assert [m.step for m in history] == list(range(1, 17))
-    evaluated = children["evaluate/sft"].data.metrics
-    on_disk = json.loads((tiny_run["results"] / "evaluate" / "sft" / "metrics.json").read_text())
+    assert children["rl/ppo/seed1"].data.params["seed"] == "1" and children["dpo/seed0"].data.params["seed"] == "0"
+    evaluated = children["evaluate/sft/seed0"].data.metrics
+    on_disk = json.loads((tiny_run["results"] / "evaluate" / "sft" / "seed0" / "metrics.json").read_text())
     assert evaluated["reward_mean"] == pytest.approx(on_disk["reward_mean"])
-    artifacts = {a.path for a in client.list_artifacts(children["evaluate/sft"].info.run_id)}
+    artifacts = {a.path for a in client.list_artifacts(children["evaluate/sft/seed0"].info.run_id)}
     assert {"config.json", "metrics.json", "samples.jsonl"} <= artifacts
+
+
+def test_grid_tables_equal_mlflow(tiny_run):
+    """2 methods x 2 seeds (dpo, grpo; and ppo in the RL table): a row per method, mean ± std equal to MLflow's."""
+    children = mlflow_children(tiny_run)
+    report = tiny_run["results"] / "report"
+    for table, prefix, methods, keys in (
+            ("results.csv", "evaluate/", {"base": 1, "sft": 1, "dpo": 2, "grpo": 2},
+             ["reward_mean", "kl_to_reference", "perplexity", "response_length", "positive_fraction"]),
+            ("rl.csv", "rl/", {"grpo": 2, "ppo": 2}, ["eval_reward", "eval_reward_before", "final_kl"])):
+        rows = list(csv.DictReader((report / table).open()))
+        assert [(r["method"], int(r["seeds"])) for r in rows] == list(methods.items()), table
+        for row in rows:
+            runs = [children[f"{prefix}{row['method']}/seed{seed}"] for seed in range(methods[row["method"]])]
+            assert row["mlflow_run_ids"].split() == [r.info.run_id for r in runs]
+            for key in keys:
+                values = [r.data.metrics[key] for r in runs]
+                assert float(row[f"{key}_mean"]) == pytest.approx(statistics.fmean(values), rel=1e-12), (table, key)
+                if len(values) > 1:
+                    assert float(row[f"{key}_std"]) == pytest.approx(statistics.stdev(values), rel=1e-12)
+                    assert row[f"{key}_std"] and float(row[f"{key}_std"]) > 0, "two seeds that agree exactly?"
+                else:
+                    assert row[f"{key}_std"] == ""
+    tex = (report / "results.tex").read_text()
+    assert "\\begin{tabular}" in tex and "dpo & 2 & $" in tex and "\\pm" in tex
+    assert children["evaluate/dpo/seed1"].info.run_id in tex
+    md = (report / "results.md").read_text()
+    assert "| grpo | 2 |" in md and children["evaluate/grpo/seed0"].info.run_id[:8] in md
+
+
+def test_figures_and_provenance(tiny_run):
+    children = mlflow_children(tiny_run)
+    report = tiny_run["results"] / "report"
+    provenance = json.loads((report / "provenance.json").read_text())
+    for name in ("reward_vs_step", "kl_reward_frontier", "training_curves"):
+        image = Image.open(report / f"{name}.png")
+        assert image.size[0] >= 500, name
+        source = json.loads(image.text["Description"])
+        assert source == provenance[f"{name}.png"]
+        for run in source["mlflow_runs"]:
+            assert children[run["run_name"]].info.run_id == run["run_id"]
+            assert children[run["run_name"]].data.tags["alignpipe.config_hash"] == run["config_hash"]
+        assert source["git_commits"] == sorted({children[r["run_name"]].data.tags["git.commit"]
+                                                for r in source["mlflow_runs"]})
+        assert (report / f"{name}.pdf").read_bytes().startswith(b"%PDF")
+    assert {r["run_name"] for r in provenance["reward_vs_step.png"]["mlflow_runs"]} == {
+        f"rl/{v}/seed{s}" for v in ("grpo", "ppo") for s in (0, 1)}
+
+
+def test_snakemake_html_report(tiny_run):
+    html = tiny_run["root"] / "report.html"
+    snakemake(tiny_run["configfile"], "--report", str(html))
+    text = html.read_text()
+    for expected in ("reward_vs_step.png", "kl_reward_frontier.png", "results.csv", "rulegraph",
+                     "a dot per seed and the"):
+        assert expected in text, expected
 
 
 def test_finished_run_plans_nothing(tiny_run):
@@ -132,25 +203,30 @@ def test_changed_parameter_plans_stage_and_dependents(tiny_run):
     changed = write_config(tiny_run["root"] / "changed.yaml", tiny_run["root"] / "results",
                            sft={"learning_rate": 5e-4})
     proc = snakemake(changed, "all", "--dry-run")
-    # SFT feeds the reward model, DPO and two evaluations; the base model's evaluation is untouched.
-    assert planned_jobs(proc.stdout) == {"sft": 1, "reward_model": 1, "dpo": 1, "rl": 2, "evaluate": 3, "report": 1,
+    # SFT feeds the reward model, DPO and RL (2 seeds each) and their evaluations; base's evaluation is untouched.
+    assert planned_jobs(proc.stdout) == {"sft": 1, "reward_model": 1, "dpo": 2, "rl": 4, "evaluate": 5, "report": 1,
                                          "all": 1}, proc.stdout[-3000:]
-    assert "evaluate/base" not in planned_outputs(proc.stdout) and "evaluate/sft" in planned_outputs(proc.stdout)
+    assert "evaluate/base/seed0" not in planned_outputs(proc.stdout)
+    assert "evaluate/sft/seed0" in planned_outputs(proc.stdout)
     changed_dpo = write_config(tiny_run["root"] / "changed_dpo.yaml", tiny_run["root"] / "results", dpo={"beta": 0.2})
     proc = snakemake(changed_dpo, "all", "--dry-run")
-    assert planned_jobs(proc.stdout) == {"dpo": 1, "evaluate": 1, "report": 1, "all": 1}, proc.stdout[-3000:]
-    assert planned_outputs(proc.stdout) == {"dpo", "evaluate/dpo", "report"}
+    assert planned_outputs(proc.stdout) == {"dpo/seed0", "dpo/seed1", "evaluate/dpo/seed0", "evaluate/dpo/seed1",
+                                            "report"}, proc.stdout[-3000:]
     changed_eval = write_config(tiny_run["root"] / "changed_eval.yaml", tiny_run["root"] / "results",
                                 evaluate={"temperature": 0.5})
     proc = snakemake(changed_eval, "all", "--dry-run")
-    assert planned_jobs(proc.stdout) == {"evaluate": 4, "report": 1, "all": 1}, proc.stdout[-3000:]
+    assert planned_jobs(proc.stdout) == {"evaluate": 6, "report": 1, "all": 1}, proc.stdout[-3000:]
     changed_ppo = write_config(tiny_run["root"] / "changed_ppo.yaml", tiny_run["root"] / "results",
                                rl={"variants": {"grpo": {"estimator": "group_norm"}, "ppo": {"estimator": "gae",
                                                                                               "clip_high": 0.28}}})
     proc = snakemake(changed_ppo, "all", "--dry-run")
-    # One variant's hyperparameter: only that run and the report (ppo is not evaluated in the tiny config).
-    assert planned_jobs(proc.stdout) == {"rl": 1, "report": 1, "all": 1}, proc.stdout[-3000:]
-    assert planned_outputs(proc.stdout) == {"rl/ppo", "report"}
+    # One method's hyperparameter: only that method's runs and the report (ppo is not evaluated in the tiny config).
+    assert planned_outputs(proc.stdout) == {"rl/ppo/seed0", "rl/ppo/seed1", "report"}, proc.stdout[-3000:]
+    more_seeds = write_config(tiny_run["root"] / "more_seeds.yaml", tiny_run["root"] / "results", seeds=[0, 1, 2])
+    proc = snakemake(more_seeds, "all", "--dry-run")
+    # A third seed: only the new seed's method runs, their evaluations and the report; shared stages are kept.
+    assert planned_outputs(proc.stdout) == {"dpo/seed2", "rl/grpo/seed2", "rl/ppo/seed2", "evaluate/dpo/seed2",
+                                            "evaluate/grpo/seed2", "report"}, proc.stdout[-3000:]
 
 
 def test_failed_stage_reports_job_and_leaves_no_output(tmp_path):

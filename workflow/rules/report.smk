@@ -1,11 +1,15 @@
+# The paper's tables and figures, built from the MLflow runs of the stages below (each input's stage.json names
+# its run). `snakemake --report <file>.html` packs the figures and tables with the rule graph and captions.
 rule report:
     input:
-        evaluations=expand(f"{RESULTS}/evaluate/{{model}}", model=config["evaluate"]["models"]),
-        training=[rules.sft.output[0], rules.dpo.output[0]],
-        rl=expand(f"{RESULTS}/rl/{{variant}}", variant=RL_VARIANTS),
+        evaluations=[f"{RESULTS}/evaluate/{model}/seed{seed}" for model, seed in evaluated_runs()],
+        sft=rules.sft.output[0],
         reward_model=rules.reward_model.output[0],
+        dpo=expand(rules.dpo.output[0], seed=SEEDS),
+        rl=expand(rules.rl.output[0], variant=RL_VARIANTS, seed=SEEDS),
     output:
-        directory(f"{RESULTS}/report"),
+        report(directory(f"{RESULTS}/report"), patterns=["{name}.png", "{name}.csv"],
+               caption="../report/results.rst", category="Results"),
     params:
         stage=stage_key("report", "evaluate"),
         inputs=named_inputs,

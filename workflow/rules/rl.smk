@@ -1,5 +1,5 @@
-# One run per entry of rl.variants (e.g. grpo, ppo); a variant's cache key is its own merged settings, so
-# changing one variant reruns only that variant and what depends on it.
+# One run per entry of rl.variants (e.g. grpo, ppo) and seed of the grid (`seeds`); a variant's cache key is
+# its own merged settings, so changing one variant reruns only that variant's runs and what depends on them.
 RL_VARIANTS = list(config["rl"]["variants"])
 
 
@@ -14,11 +14,12 @@ rule rl:
         model=rules.sft.output[0],
         data=rules.preprocess.output[0],
     output:
-        directory(f"{RESULTS}/rl/{{variant}}"),
+        directory(f"{RESULTS}/rl/{{variant}}/seed{{seed}}"),
     wildcard_constraints:
         variant="|".join(RL_VARIANTS),
+        seed=r"\d+",
     params:
-        stage=stage_key("rl", "seed", derive=lambda wc: {"rl": rl_variant(config, wc.variant)}),
+        stage=stage_key("rl", derive=lambda wc: {"rl": rl_variant(config, wc.variant)}),
         inputs=named_inputs,
     shell:
         LAUNCH

@@ -1,0 +1,25 @@
+"""Same config and seed, same numbers: SFT, the reward model and DPO, submitted again with the params and inputs
+their first run recorded, reproduce its metrics and per-step losses exactly on CPU. (RL: tests/test_rl_resume.py
+reruns it and checks the tolerance that docs/reproducibility.md states.)"""
+import json
+
+import pytest
+
+from pipeline_helpers import submit_again
+
+pytestmark = pytest.mark.e2e
+
+
+def without_timings(step: dict) -> dict:
+    return {k: v for k, v in step.items() if not k.startswith("time")}
+
+
+@pytest.mark.parametrize("stage", ["sft", "reward_model", "dpo/seed1"])
+def test_stage_rerun_reproduces_its_metrics(tiny_run, tmp_path, stage):
+    first = tiny_run["results"] / stage
+    job, output, _ = submit_again(tiny_run, first, tmp_path)
+    job.result()
+    assert json.loads((output / "metrics.json").read_text()) == json.loads((first / "metrics.json").read_text())
+    log, first_log = ([without_timings(json.loads(line)) for line in (d / "train_log.jsonl").read_text().splitlines()]
+                      for d in (output, first))
+    assert log == first_log
