@@ -19,6 +19,16 @@ def _save(fig, paths: list[Path], metadata: str) -> None:
     _pyplot().close(fig)
 
 
+def _finish(fig, ax, xlabel: str, ylabel: str, title: str, paths: list[Path], metadata: str) -> None:
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    _save(fig, paths, metadata)
+
+
 def _by_method(runs: list[dict]) -> dict[str, list[dict]]:
     grouped: dict[str, list[dict]] = {}
     for run in runs:
@@ -39,13 +49,8 @@ def reward_vs_step(runs: list[dict], paths: list[Path], metadata: str) -> None:
             std = [statistics.stdev(v) for v in values]
             ax.fill_between(steps, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)],
                             color=line.get_color(), alpha=0.2, linewidth=0)
-    ax.set_xlabel("RL step")
-    ax.set_ylabel("training reward (mean of the step's samples)")
-    ax.set_title("Reward during RL (mean ± std over seeds)", fontsize=10)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    _save(fig, paths, metadata)
+    _finish(fig, ax, "RL step", "training reward (mean of the step's samples)",
+            "Reward during RL (mean ± std over seeds)", paths, metadata)
 
 
 def kl_reward_frontier(runs: list[dict], paths: list[Path], metadata: str) -> None:
@@ -59,13 +64,8 @@ def kl_reward_frontier(runs: list[dict], paths: list[Path], metadata: str) -> No
         spread = (lambda v: statistics.stdev(v) if len(v) > 1 else 0.0)
         ax.errorbar(statistics.fmean(kl), statistics.fmean(reward), xerr=spread(kl), yerr=spread(reward), fmt="o",
                     color=points.get_facecolor()[0][:3], capsize=3, label=f"{method} (n={len(group)})")
-    ax.set_xlabel("KL to the base model (nats per response)")
-    ax.set_ylabel("held-out reward (sentiment)")
-    ax.set_title("Reward against KL: the frontier", fontsize=10)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    _save(fig, paths, metadata)
+    _finish(fig, ax, "KL to the base model (nats per response)", "held-out reward (sentiment)",
+            "Reward against KL: the frontier", paths, metadata)
 
 
 def training_curves(runs: list[dict], paths: list[Path], metadata: str) -> None:

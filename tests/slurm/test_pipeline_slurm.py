@@ -211,7 +211,6 @@ def test_cancelled_stage_reports_job_and_log_and_leaves_no_output(scenario):
     assert "sft" in rerun_jobs and "base_model" not in rerun_jobs, "the rerun redid only what had not finished"
 
 
-@pytest.mark.needs_verification
 def test_rerun_completes_with_every_stage_as_a_slurm_job(scenario):
     run = scenario["requeue"]
     assert run["rc"] == 0, run["output"][-6000:]
@@ -275,7 +274,6 @@ def mlflow_sft_runs(scenario) -> dict:
     return client, {int(r.data.metrics.get("resumed_from_step", 0)): r for r in runs}
 
 
-@pytest.mark.needs_verification
 def test_interrupted_stage_is_requeued_and_resumes_from_its_checkpoint(scenario):
     run = scenario["requeue"]
     assert run["rc"] == 0, run["output"][-6000:]
@@ -301,7 +299,6 @@ def test_interrupted_stage_is_requeued_and_resumes_from_its_checkpoint(scenario)
     assert states and states[0] == "REQUEUED", sacct(job_id, "State", duplicates=True)
 
 
-@pytest.mark.needs_verification
 def test_preempted_stage_is_requeued_by_slurm_and_resumes_from_its_last_checkpoint(scenario):
     run = scenario["requeue"]
     assert run["rc"] == 0, run["output"][-6000:]
