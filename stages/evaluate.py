@@ -16,7 +16,7 @@ import torch
 
 from stages import data, rewards
 from stages.models import load_causal_lm, load_tokenizer, pad_prompt_response, response_logprobs
-from stages.rollout import VLLMEngine
+from stages.rollout import VLLMEngine, sampling_seed
 
 USES_RAY = True
 SCORE_BATCH = 8
@@ -69,7 +69,8 @@ def run(cfg: Config, inputs: dict, output: Path, run) -> None:
 
     print(f"[evaluate] {cfg.model}: generating {len(rows)} prompts x {cfg.max_new_tokens} tokens with vLLM", flush=True)
     engine = ray.remote(num_cpus=1)(VLLMEngine).remote(str(inputs["model"]), cfg.seed, max_len, num_threads=threads)
-    samples = ray.get(engine.generate.remote(prompt_ids, 1, cfg.temperature, cfg.top_p, cfg.max_new_tokens, cfg.seed))
+    samples = ray.get(engine.generate.remote(prompt_ids, 1, cfg.temperature, cfg.top_p, cfg.max_new_tokens,
+                                             sampling_seed(cfg.seed, "evaluate")))
     ray.kill(engine)  # free its cores and KV cache before scoring
     completions = [s[0] for s in samples]
     texts = [c["text"] for c in completions]

@@ -54,9 +54,6 @@ JOB_ENV = {
     # Ray's native handler prints ~1000 lines of unsymbolised stack frames when Slurm stops a job (SIGTERM on
     # cancel, requeue, preemption), burying the log's useful end.
     "RAY_DISABLE_FAILURE_SIGNAL_HANDLER": "1",
-    # No metrics exporter runs (the `ray` package without `[default]` has no dashboard agent); without this, every
-    # raylet prints an error about not reaching it.
-    "RAY_enable_metrics_collection": "0",
 }
 
 # Where a stage's job runs and how big it is. The same names work in the config (`launcher.<key>`,

@@ -33,7 +33,7 @@ from stages.deepspeed_strategy import DeepSpeedWorker
 from stages.models import (load_causal_lm, load_reward_model, load_tokenizer, load_value_model, pad_prompt_response,
                            response_logprobs)
 from stages.progress import Progress
-from stages.rollout import VLLMEngine
+from stages.rollout import VLLMEngine, sampling_seed
 
 USES_RAY = True
 ROLE_CPUS = 0.25  # colocated roles share the job's cores; Ray CPU counts only place them
@@ -309,7 +309,7 @@ def adapt_kl(kl_coef: float, kl: float, cfg: Config) -> float:
 
 def held_out_reward(roles: Roles, cfg: Config, prompts: list[dict]) -> float:
     """Mean RL reward of n_samples responses to each held-out prompt (same seeds before and after training)."""
-    rows = generate(roles, prompts, cfg.n_samples, cfg, cfg.seed + 999_999, temperature=cfg.temperature)
+    rows = generate(roles, prompts, cfg.n_samples, cfg, sampling_seed(cfg.seed, "held-out"), cfg.temperature)
     return statistics.fmean(score(roles, rows))
 
 
@@ -364,7 +364,7 @@ def run(cfg: Config, inputs: dict, output: Path, run) -> None:
             continue  # replayed to reach the resumed position: same prompts, none twice, none skipped
         timings = {}
         t0 = time.perf_counter()
-        rows = generate(roles, batch, cfg.n_samples, cfg, cfg.seed + s * 10_007, cfg.temperature)
+        rows = generate(roles, batch, cfg.n_samples, cfg, sampling_seed(cfg.seed, f"step {s}"), cfg.temperature)
         timings["time_generate"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         metrics = make_experience(roles, cfg, rows, kl_coef, reward_stats)

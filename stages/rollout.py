@@ -1,9 +1,18 @@
-"""vLLM generation as a Ray actor: the rollout engine of evaluation and (later) RL.
+"""vLLM generation as a Ray actor: the rollout engine of evaluation and RL.
 
 On CPU vLLM runs in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0, set by the launcher) with eager execution;
 on GPU the same interface holds. After the trainer changes weights, `update_weights` loads them into vLLM.
 """
+import random
+
 import torch
+
+
+def sampling_seed(seed: int, purpose: str) -> int:
+    """The base seed of one `generate` call (request i is seeded with base + i), drawn from the run's seed and the
+    call's purpose (e.g. "step 3"): runs with neighbouring seeds get unrelated sampling streams, where
+    `seed + i` would give seed 1's request i the stream of seed 0's request i + 1."""
+    return random.Random(f"{seed}/{purpose}").randrange(2**31)
 
 
 class VLLMEngine:

@@ -1,6 +1,7 @@
 """Running the workflow from tests as a user would (imported by the test modules; not a conftest, whose
 module name would clash with tests/slurm/conftest.py)."""
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -52,3 +53,19 @@ def submit_again(tiny_run: dict, stage_dir: Path, out_root: Path, **rl_overrides
         experiment="tiny-rerun", tracking_uri=tiny_run["mlflow_uri"], resources=resources,
         checkpoint_dir=str(checkpoints)))
     return job, output, checkpoints
+
+
+def signal_job_tasks(job, signum: int) -> int:
+    """Send `signum` to the tasks of a local submitit job, as Slurm signals a job's tasks before a timeout or on
+    preemption. (submitit's own `job._interrupt()` signals the local executor's controller process, which does
+    not forward USR2 and dies of it.) Returns how many tasks were signalled."""
+    controller, signalled = job._process.pid, 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            if parent == controller:
+                os.kill(int(stat.parent.name), signum)
+                signalled += 1
+        except (OSError, ValueError, IndexError):
+            continue  # a process that ended meanwhile
+    return signalled

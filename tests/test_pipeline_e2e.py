@@ -156,9 +156,10 @@ def test_grid_tables_equal_mlflow(tiny_run):
                 assert float(row[f"{key}_mean"]) == pytest.approx(statistics.fmean(values), rel=1e-12), (table, key)
                 if len(values) > 1:
                     assert float(row[f"{key}_std"]) == pytest.approx(statistics.stdev(values), rel=1e-12)
-                    assert row[f"{key}_std"] and float(row[f"{key}_std"]) > 0, "two seeds that agree exactly?"
                 else:
                     assert row[f"{key}_std"] == ""
+            if len(runs) > 1:  # (the tiny model's sentiment reward is the same for every seed, its KL is not)
+                assert any(float(row[f"{key}_std"]) > 0 for key in keys), "the seeds' runs agree exactly"
     tex = (report / "results.tex").read_text()
     assert "\\begin{tabular}" in tex and "dpo & 2 & $" in tex and "\\pm" in tex
     assert children["evaluate/dpo/seed1"].info.run_id in tex

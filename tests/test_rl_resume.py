@@ -3,11 +3,12 @@ one interrupted after a checkpoint (as a timeout or preemption would: submitit's
 interrupted run must resume from its checkpoint and match the straight run step by step: the same prompts and
 the same metrics within RL_TOLERANCE (its steps before the interruption are a plain rerun: reproducibility)."""
 import json
+import signal
 import time
 
 import pytest
 
-from pipeline_helpers import submit_again
+from pipeline_helpers import signal_job_tasks, submit_again
 
 pytestmark = pytest.mark.e2e
 STEPS, EVERY = 6, 2
@@ -39,7 +40,7 @@ def test_interrupted_rl_run_resumes_and_matches_a_straight_run(tiny_run, tmp_pat
         assert not job.done(), f"the job ended before its first checkpoint:\n{job.stdout()}"
         assert time.time() < deadline, "no checkpoint within 15 minutes"
         time.sleep(1)
-    job._interrupt()  # what Slurm's USR2 before a timeout, or a preemption, delivers
+    assert signal_job_tasks(job, signal.SIGUSR2) == 1  # what Slurm delivers before a timeout, or on preemption
     job.result()
 
     log_text = job.stdout()
