@@ -3,6 +3,8 @@ provenance JSON (MLflow run ids, git commits, config hashes) in the file's metad
 import statistics
 from pathlib import Path
 
+from reports.tables import by_method
+
 
 def _pyplot():
     import matplotlib
@@ -29,18 +31,11 @@ def _finish(fig, ax, xlabel: str, ylabel: str, title: str, paths: list[Path], me
     _save(fig, paths, metadata)
 
 
-def _by_method(runs: list[dict]) -> dict[str, list[dict]]:
-    grouped: dict[str, list[dict]] = {}
-    for run in runs:
-        grouped.setdefault(run["method"], []).append(run)
-    return grouped
-
-
 def reward_vs_step(runs: list[dict], paths: list[Path], metadata: str) -> None:
     """RL runs: training reward against step, one line per method (mean over seeds) with a ±std band."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(5.5, 3.6), dpi=120)
-    for method, group in _by_method(runs).items():
+    for method, group in by_method(runs).items():
         steps = sorted(set.intersection(*(set(dict(r["history"]["reward_mean"])) for r in group)))
         values = [[dict(r["history"]["reward_mean"])[s] for r in group] for s in steps]
         mean = [statistics.fmean(v) for v in values]
@@ -57,7 +52,7 @@ def kl_reward_frontier(runs: list[dict], paths: list[Path], metadata: str) -> No
     """Evaluations: held-out reward against KL to the base model; a dot per seed, the mean ± std as a cross."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(5.5, 3.6), dpi=120)
-    for method, group in _by_method(runs).items():
+    for method, group in by_method(runs).items():
         kl = [r["metrics"]["kl_to_reference"] for r in group]
         reward = [r["metrics"]["reward_mean"] for r in group]
         points = ax.scatter(kl, reward, s=14, alpha=0.5)
@@ -72,7 +67,7 @@ def training_curves(runs: list[dict], paths: list[Path], metadata: str) -> None:
     """Trained stages: training loss against step, a panel per method (their losses differ in scale), a line
     per seed."""
     plt = _pyplot()
-    grouped = _by_method(runs)
+    grouped = by_method(runs)
     fig, axes = plt.subplots(1, len(grouped), figsize=(3.6 * len(grouped), 3.2), dpi=120, squeeze=False)
     for ax, (method, group) in zip(axes[0], grouped.items()):
         for run in group:

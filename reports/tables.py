@@ -21,13 +21,19 @@ RL_COLUMNS = [
 ]
 
 
+def by_method(runs: list[dict]) -> dict[str, list[dict]]:
+    """The runs grouped by method, in the order methods first appear."""
+    grouped: dict[str, list[dict]] = {}
+    for run in runs:
+        grouped.setdefault(run["method"], []).append(run)
+    return grouped
+
+
 def summarise(runs: list[dict], keys: list[str]) -> list[dict]:
     """One row per method, in the order methods first appear: n, and per key (mean, std) over the method's runs
     (std is the sample standard deviation; None for a single run)."""
-    methods = list(dict.fromkeys(r["method"] for r in runs))
     rows = []
-    for method in methods:
-        group = [r for r in runs if r["method"] == method]
+    for method, group in by_method(runs).items():
         row = {"method": method, "n": len(group), "runs": group}
         for key in keys:
             values = [r["metrics"][key] for r in group]

@@ -6,6 +6,7 @@ import json
 import pytest
 
 from pipeline_helpers import submit_again
+from stages import data
 
 pytestmark = pytest.mark.e2e
 
@@ -20,6 +21,5 @@ def test_stage_rerun_reproduces_its_metrics(tiny_run, tmp_path, stage):
     job, output, _ = submit_again(tiny_run, first, tmp_path)
     job.result()
     assert json.loads((output / "metrics.json").read_text()) == json.loads((first / "metrics.json").read_text())
-    log, first_log = ([without_timings(json.loads(line)) for line in (d / "train_log.jsonl").read_text().splitlines()]
-                      for d in (output, first))
+    log, first_log = ([without_timings(step) for step in data.read_jsonl(d / "train_log.jsonl")] for d in (output, first))
     assert log == first_log

@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from stages import data
 from pipeline_helpers import signal_job_tasks, submit_again
 
 pytestmark = pytest.mark.e2e
@@ -17,7 +18,7 @@ COMPARED = ("reward_mean", "reward_std", "kl", "policy_loss", "entropy", "respon
 
 
 def read_log(output):
-    return [json.loads(line) for line in (output / "train_log.jsonl").read_text().splitlines()]
+    return data.read_jsonl(output / "train_log.jsonl")
 
 
 def assert_same_run(log, reference):
