@@ -69,7 +69,8 @@ class DeepSpeedWorker:
             self._hf_ds_config = HfDeepSpeedConfig(config)
         model = model_loader(model_dir)
         model.train()
-        optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate, weight_decay=weight_decay)
+        optimizer = torch.optim.AdamW(self.param_groups(model, learning_rate), lr=learning_rate,
+                                      weight_decay=weight_decay)
         scheduler = warmup_cosine(optimizer, warmup_steps, total_steps)
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config)
@@ -89,6 +90,10 @@ class DeepSpeedWorker:
 
     def loss(self, batch) -> tuple[torch.Tensor, dict]:
         raise NotImplementedError
+
+    def param_groups(self, model, learning_rate: float) -> list[dict]:
+        """The optimizer's parameter groups; a subclass may give some parameters their own learning rate."""
+        return [{"params": list(model.parameters()), "lr": learning_rate}]
 
     def save_checkpoint(self, ckpt_dir: str, tag: str) -> None:
         """Model, optimizer and scheduler (DeepSpeed's own format, per rank) plus this rank's RNG state."""

@@ -3,8 +3,10 @@
 Task: continue a movie review from its opening. SFT rows pair the opening of a positive review (prompt) with
 its true continuation (response); evaluation prompts are openings of held-out reviews of both labels, so a
 model only scores well if it steers even a negative opening toward a positive review. Preference pairs
-continue one opening with the text of a positive review (chosen) and of a negative one (rejected), unless the
-config names the user's own preference files. Keys follow OpenRLHF's conventions (prompt, response, label,
+continue one opening with the text of a positive review (chosen) and of a negative one (rejected), each cut
+from a review whose text there reads clearly positive or negative (`pair_min_sentiment`: the middle of a
+review is often neutral, and a pair of two neutral snippets teaches nothing), unless the config names the
+user's own preference files. Keys follow OpenRLHF's conventions (prompt, response, label,
 chosen, rejected).
 
     .venv/bin/snakemake --profile cluster_profiles/local results/<experiment>/preprocess
@@ -15,7 +17,7 @@ import random
 import statistics
 from pathlib import Path
 
-from stages import data, models
+from stages import data, models, rewards
 
 USES_RAY = False
 
@@ -29,8 +31,10 @@ class Config:
     num_train: int
     num_eval: int
     instruction: str
+    system_prompt: str | None
     num_pairs_train: int
     num_pairs_eval: int
+    pair_min_sentiment: float
     num_rl_prompts: int
     preference_train_file: str | None
     preference_eval_file: str | None
@@ -71,6 +75,8 @@ def split_review(review: dict, cfg: Config, stats: dict) -> tuple[str, str] | No
 
 def task_prompt(opening: str, cfg: Config, tokenizer) -> str:
     chat = [{"role": "user", "content": cfg.instruction}]
+    if cfg.system_prompt is not None:  # otherwise the template's own (SmolLM2's default is 20 tokens long)
+        chat.insert(0, {"role": "system", "content": cfg.system_prompt})
     # The assistant turn starts with the opening, so the model's job is to continue it.
     return tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) + opening
 
@@ -89,22 +95,35 @@ def make_row(review: dict, cfg: Config, tokenizer, stats: dict) -> dict | None:
 
 
 def make_pairs(reviews: list[dict], count: int, cfg: Config, tokenizer, stats: dict, rng: random.Random) -> list[dict]:
-    """Openings continued by a positive review's text (chosen) and a negative review's (rejected)."""
+    """Openings continued by a positive review's text (chosen) and a negative review's (rejected), keeping
+    only continuations whose sentiment agrees with their review's label by at least cfg.pair_min_sentiment.
+    Each text is used once while the pool lasts (a reward model learns to recognise repeated texts, not their
+    sentiment), then the pool is reused evenly."""
     split = [(r["label"], split_review(r, cfg, stats)) for r in reviews]
     openings = [p[0] for _, p in split if p]
-    positives = [p[1] for label, p in split if p and label == 1]
-    negatives = [p[1] for label, p in split if p and label == 0]
+    continuations = [(label, p[1]) for label, p in split if p]
+    # Judged as the model will see them: cut to max_response_tokens (the stats count only the texts used).
+    unused_stats = {"response_tokens": [], "truncated_response": 0}
+    polarity = rewards.sentiment([cut_response(text, cfg, tokenizer, unused_stats) for _, text in continuations])
+    threshold = cfg.pair_min_sentiment
+    positives = [text for (label, text), s in zip(continuations, polarity) if label == 1 and s >= threshold]
+    negatives = [text for (label, text), s in zip(continuations, polarity) if label == 0 and s <= -threshold]
+    rng.shuffle(positives)
+    rng.shuffle(negatives)
     pairs = []
     for opening in openings:
-        if len(pairs) == count:
+        if len(pairs) == count or not (positives and negatives):
             break
         prompt = task_prompt(opening, cfg, tokenizer)
         if keep_prompt(prompt, cfg, tokenizer, stats):
-            pairs.append({"prompt": prompt, "chosen": cut_response(rng.choice(positives), cfg, tokenizer, stats),
-                          "rejected": cut_response(rng.choice(negatives), cfg, tokenizer, stats)})
+            i = len(pairs)
+            pairs.append({"prompt": prompt,
+                          "chosen": cut_response(positives[i % len(positives)], cfg, tokenizer, stats),
+                          "rejected": cut_response(negatives[i % len(negatives)], cfg, tokenizer, stats)})
     if len(pairs) < count:
         raise ValueError(f"data.source {cfg.source!r} yields only {len(pairs)} usable pairs, fewer than the "
-                         f"{count} asked for (data.num_pairs_train / data.num_pairs_eval)")
+                         f"{count} asked for (data.num_pairs_train / data.num_pairs_eval); lower them or "
+                         f"data.pair_min_sentiment ({threshold})")
     return pairs
 
 
@@ -164,7 +183,8 @@ def run(cfg: Config, inputs: dict, output: Path, run) -> None:
         splits["pairs_eval"] = user_pairs(cfg.preference_eval_file, cfg, tokenizer, stats)
     else:
         pair_rng = random.Random(cfg.seed + 1)
-        splits["pairs_train"] = make_pairs(train_pool[-4 * cfg.num_pairs_train:], cfg.num_pairs_train, cfg,
+        # The half of the training reviews that the RL prompts do not come from.
+        splits["pairs_train"] = make_pairs(train_pool[len(train_pool) // 2:], cfg.num_pairs_train, cfg,
                                            tokenizer, stats, pair_rng)
         splits["pairs_eval"] = make_pairs(held_out[:len(held_out) // 2], cfg.num_pairs_eval, cfg, tokenizer, stats,
                                           pair_rng)

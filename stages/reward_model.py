@@ -23,6 +23,7 @@ LOSSES = {"sigmoid": losses.pairwise_sigmoid_loss, "logexp": losses.pairwise_log
 class Config(trainer.TrainerConfig):
     loss: str
     use_margin: bool
+    head_learning_rate: float | None
 
     @classmethod
     def from_params(cls, params: dict) -> "Config":
@@ -41,7 +42,16 @@ class RewardWorker(DeepSpeedWorker):
         self.init_distributed(args["rank"], args["rendezvous"], args["num_threads"])
         self.tokenizer = load_tokenizer(args["model_dir"])
         self.loss_fn, self.use_margin = LOSSES[args["loss"]], args["use_margin"]
+        self.head_learning_rate = args["head_learning_rate"]
         self.build_engine(model_loader=load_reward_model, **args["engine"])
+
+    def param_groups(self, model, learning_rate):
+        # The score head starts from random weights while the backbone is already trained: with one small
+        # learning rate the head barely moves in a short run (the demo's reward model stayed at chance).
+        head = [p for name, p in model.named_parameters() if name.startswith("score.")]
+        body = [p for name, p in model.named_parameters() if not name.startswith("score.")]
+        return [{"params": body, "lr": learning_rate},
+                {"params": head, "lr": self.head_learning_rate or learning_rate}]
 
     def loss(self, rows):
         chosen, rejected = score_pairs(self.engine, self.tokenizer, rows)
@@ -70,7 +80,8 @@ def run(cfg: Config, inputs: dict, output: Path, run) -> None:
     eval_rows = data.read_jsonl(inputs["data"] / "pairs_eval.jsonl")
     total_steps = trainer.steps_for(cfg, len(train_rows), "reward_model")
     group = trainer.start_workers(RewardWorker, cfg, inputs["model"], total_steps,
-                                  {"loss": cfg.loss, "use_margin": cfg.use_margin})
+                                  {"loss": cfg.loss, "use_margin": cfg.use_margin,
+                                   "head_learning_rate": cfg.head_learning_rate})
     before = held_out_metrics(group, eval_rows, cfg.num_workers)
     log = trainer.fit(group, cfg, train_rows, "reward_model", run)
     after = held_out_metrics(group, eval_rows, cfg.num_workers)

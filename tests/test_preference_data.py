@@ -1,5 +1,7 @@
 """Users' preference files: checked row by row before anything runs, then turned into prompt/chosen/rejected."""
+import dataclasses
 import json
+import random
 
 import pytest
 import yaml
@@ -46,7 +48,7 @@ def test_bad_row_names_file_and_line(tmp_path, bad, fragment):
 def test_rows_become_templated_pairs(tmp_path):
     tokenizer = train_tiny_tokenizer(["a delight a bore loved it hated it thoughts review this film"] * 20, 300)
     cfg = preprocess.Config(source="imdb", prompt_words=4, max_prompt_tokens=200, max_response_tokens=100,
-                            num_train=1, num_eval=1, instruction="x", num_pairs_train=1, num_pairs_eval=1, num_rl_prompts=1,
+                            num_train=1, num_eval=1, instruction="x", system_prompt=None, num_pairs_train=1, num_pairs_eval=1, pair_min_sentiment=0.5, num_rl_prompts=1,
                             preference_train_file=None, preference_eval_file=None, seed=0)
     stats = {"dropped_short": 0, "dropped_long_prompt": 0, "truncated_response": 0, "prompt_tokens": [],
              "response_tokens": []}
@@ -66,3 +68,25 @@ def test_bad_file_stops_snakemake_before_any_stage(tmp_path):
     assert proc.returncode != 0
     assert f"{bad}, line 2: chosen and rejected are identical" in proc.stdout + proc.stderr
     assert not (tmp_path / "results").exists()
+
+
+def test_generated_pairs_read_positive_and_negative():
+    tokenizer = train_tiny_tokenizer(["a fine film, a bad film"] * 20, 300)
+    reviews = [{"text": "opening words of this review: a wonderful, brilliant and moving film", "label": 1},
+               {"text": "opening words of this review: the plot goes here and there", "label": 1},
+               {"text": "opening words of this review: awful, boring, a terrible waste", "label": 0},
+               {"text": "opening words of this review: it was shown on a tuesday", "label": 0}]
+    cfg = preprocess.Config(source="imdb", prompt_words=5, max_prompt_tokens=200, max_response_tokens=100,
+                            num_train=1, num_eval=1, instruction="x", system_prompt=None, num_pairs_train=4, num_pairs_eval=1,
+                            pair_min_sentiment=0.5, num_rl_prompts=1, preference_train_file=None,
+                            preference_eval_file=None, seed=0)
+    stats = {"dropped_short": 0, "dropped_long_prompt": 0, "truncated_response": 0, "prompt_tokens": [],
+             "response_tokens": []}
+    pairs = preprocess.make_pairs(reviews, 4, cfg, tokenizer, stats, random.Random(0))
+    # Only the clearly worded continuations survive the filter; the neutral ones never appear.
+    assert {p["chosen"] for p in pairs} == {" a wonderful, brilliant and moving film<|im_end|>"}
+    assert {p["rejected"] for p in pairs} == {" awful, boring, a terrible waste<|im_end|>"}
+    assert len(stats["response_tokens"]) == 8
+    with pytest.raises(ValueError, match=r"pair_min_sentiment \(0.99\)"):
+        preprocess.make_pairs(reviews, 4, dataclasses.replace(cfg, pair_min_sentiment=0.99), tokenizer, stats,
+                              random.Random(0))

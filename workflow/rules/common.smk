@@ -7,7 +7,8 @@ from stages.config import ConfigError, method_seeds, rl_variant, seeded_models, 
 from stages.data import PreferenceDataError, read_preference_file
 
 try:
-    _validated = validate_config(config, source=", ".join(map(str, workflow.configfiles)) or "config")
+    _sources = [str(f) for f in workflow.configfiles] + (["--config"] if workflow.config_settings.config else [])
+    _validated = validate_config(config, source=" + ".join(_sources) or "config")
     # Users' data is checked here too: a bad row stops the run before any stage is queued.
     for _key in ("preference_train_file", "preference_eval_file"):
         if _validated["data"][_key]:
