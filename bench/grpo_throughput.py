@@ -30,10 +30,9 @@ REWARD_FILE = REPO / "config" / "rewards" / "sentiment.py"
 def prompts(model_dir: Path, count: int) -> list[dict]:
     from stages import data, preprocess
     from stages.models import load_tokenizer
-    cfg = preprocess.Config(source="imdb", prompt_words=8, max_prompt_tokens=64, max_response_tokens=32,
-                            num_train=1, num_eval=1, instruction="Continue this movie review:", num_pairs_train=1,
-                            num_pairs_eval=1, num_rl_prompts=1, preference_train_file=None,
-                            preference_eval_file=None, seed=0)
+    from stages.config import validate_config
+    cfg = preprocess.Config.from_params(validate_config(
+        {"seed": 0, "data": {"source": "imdb", "prompt_words": 8, "max_prompt_tokens": 64, "max_response_tokens": 32}}))
     stats = {"dropped_short": 0, "dropped_long_prompt": 0, "truncated_response": 0, "prompt_tokens": [],
              "response_tokens": []}
     reviews = data.load_reviews("imdb")
