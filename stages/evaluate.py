@@ -14,8 +14,8 @@ from pathlib import Path
 import ray
 import torch
 
-from stages import data, rewards
-from stages.models import load_causal_lm, load_tokenizer, pad_prompt_response, response_logprobs
+from stages import data, losses, rewards
+from stages.models import load_causal_lm, load_tokenizer, pad_prompt_response
 from stages.rollout import VLLMEngine, sampling_seed
 
 USES_RAY = True
@@ -50,13 +50,19 @@ class Scorer:
 
     @torch.no_grad()
     def sequence_logprobs(self, prompts: list[list[int]], responses: list[list[int]], with_reference: bool):
-        """Per sequence: summed log-prob under the model (and the reference), and the token count."""
+        """Per sequence: summed log-prob under the model, summed per-token KL to the reference (0 without
+        it), and the token count."""
         out = []
         for i in range(0, len(prompts), SCORE_BATCH):
             batch = pad_prompt_response(prompts[i:i + SCORE_BATCH], responses[i:i + SCORE_BATCH], self.pad_id)
-            logp, mask = response_logprobs(self.model, batch)
-            ref = response_logprobs(self.reference, batch)[0] if with_reference else logp
-            out += [(a, b, n) for a, b, n in zip(logp.sum(1).tolist(), ref.sum(1).tolist(), mask.sum(1).tolist())]
+            inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+            mask = batch["loss_mask"][:, 1:]
+            logits = self.model(**inputs).logits[:, :-1]
+            logp = losses.token_logprobs(logits, batch["input_ids"][:, 1:]) * mask
+            kl = torch.zeros_like(mask)
+            if with_reference and self.reference is not self.model:
+                kl = losses.token_kl(logits, self.reference(**inputs).logits[:, :-1]) * mask
+            out += [(a, b, n) for a, b, n in zip(logp.sum(1).tolist(), kl.sum(1).tolist(), mask.sum(1).tolist())]
         return out
 
 
@@ -85,8 +91,10 @@ def run(cfg: Config, inputs: dict, output: Path, run) -> None:
                                                          [encode(r["response"]) for r in held_out], False))
     ray.kill(scorer)
 
-    # KL(model || reference) estimated on the model's own samples: mean over sequences of sum_t log p/p_ref.
-    kl = statistics.fmean(lp - ref for lp, ref, _ in logps)
+    # KL(model || reference) per response: the exact KL of the next-token distributions, summed over the
+    # positions of the model's own samples (a log-ratio estimate would be biased, even negative, when the
+    # samples are drawn at a temperature below 1).
+    kl = statistics.fmean(kl for _, kl, _ in logps)
     nll = -sum(lp for lp, _, _ in references) / sum(n for _, _, n in references)
     metrics = {
         "reward_mean": statistics.fmean(scores),

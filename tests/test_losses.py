@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from stages.losses import (aggregate, dpo_loss, entropy_from_logits, ipo_loss, kl_estimate, kto_loss,
+from stages.losses import (aggregate, dpo_loss, entropy_from_logits, ipo_loss, kl_estimate, kto_loss, token_kl,
                            masked_mean, pairwise_logexp_loss, pairwise_sigmoid_loss, policy_loss,
                            sequence_nll, simpo_loss, token_logprobs, value_loss)
 
@@ -71,6 +71,16 @@ def test_kl_estimators():
     close(kl_estimate(logp, ref, "k3"), [math.exp(-0.5) - 0.5, math.exp(1.0) - 2.0, 0.0])
     with pytest.raises(ValueError):
         kl_estimate(logp, ref, "k4")
+
+
+def test_token_kl_exact_over_vocabulary():
+    # p = (1/2, 1/2), q = (1/4, 3/4): KL = 1/2 ln 2 + 1/2 ln(2/3), by hand.
+    logits = torch.tensor([[[0.0, 0.0], [1.0, -2.0]]])
+    ref = torch.tensor([[[0.0, math.log(3.0)], [1.0, -2.0]]])
+    kl = token_kl(logits, ref)
+    assert kl.shape == (1, 2)
+    assert kl[0, 0].item() == pytest.approx(0.5 * math.log(2) + 0.5 * math.log(2 / 3), abs=1e-6)
+    assert kl[0, 1].item() == pytest.approx(0.0, abs=1e-7)  # same distribution
 
 
 # --- reward model ------------------------------------------------------------------------------
