@@ -39,6 +39,13 @@ class Config:
                    seed=params["seed"])
 
 
+def token_kl(logits: torch.Tensor, ref_logits: torch.Tensor) -> torch.Tensor:
+    """Exact KL(pi(.|prefix) || pi_ref(.|prefix)) at each position, summed over the vocabulary: (B, T, V) -> (B, T).
+    Never negative, whatever distribution the prefixes were sampled from (e.g. at a temperature below 1)."""
+    logp, ref_logp = torch.log_softmax(logits.float(), -1), torch.log_softmax(ref_logits.float(), -1)
+    return (logp.exp() * (logp - ref_logp)).sum(-1)
+
+
 class Scorer:
     """Teacher-forced log-probabilities under the evaluated model and the reference model."""
 
@@ -61,7 +68,7 @@ class Scorer:
             logp = losses.token_logprobs(logits, batch["input_ids"][:, 1:]) * mask
             kl = torch.zeros_like(mask)
             if with_reference and self.reference is not self.model:
-                kl = losses.token_kl(logits, self.reference(**inputs).logits[:, :-1]) * mask
+                kl = token_kl(logits, self.reference(**inputs).logits[:, :-1]) * mask
             out += [(a, b, n) for a, b, n in zip(logp.sum(1).tolist(), kl.sum(1).tolist(), mask.sum(1).tolist())]
         return out
 

@@ -62,13 +62,6 @@ def entropy_from_logits(logits: Tensor) -> Tensor:
     return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(-1)
 
 
-def token_kl(logits: Tensor, ref_logits: Tensor) -> Tensor:
-    """Exact KL(pi(.|prefix) || pi_ref(.|prefix)) at each position, summed over the vocabulary: (B, T, V) -> (B, T).
-    Never negative, whatever distribution the prefixes were sampled from (e.g. at a temperature below 1)."""
-    logp, ref_logp = torch.log_softmax(logits.float(), -1), torch.log_softmax(ref_logits.float(), -1)
-    return (logp.exp() * (logp - ref_logp)).sum(-1)
-
-
 def kl_estimate(logp: Tensor, ref_logp: Tensor, kind: str = "k3") -> Tensor:
     """Per-token estimate of KL(pi || pi_ref) from samples of pi (Schulman, "Approximating KL divergence", 2020).
 

