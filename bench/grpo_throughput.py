@@ -3,8 +3,9 @@
     make bench-grpo       # or: .venv/bin/python bench/grpo_throughput.py --steps 4
 Both run GRPO on SmolLM2-135M-Instruct with the same IMDB-opening prompts, 4 prompts x 4 samples per step,
 32 new tokens, the same reward function (config/rewards/sentiment.py), batch 16, fp32, on all of this
-machine's cores. alignpipe: 2 DeepSpeed ZeRO-2 policy ranks, a reference actor and a vLLM engine as Ray
-actors, weights synced to vLLM every step. TRL: one process, generation with transformers' generate.
+machine's cores. alignpipe: the demo's policy trainer (`--zero-stage`/`--workers`, default one ZeRO-0 rank
+with every core), a reference actor and a vLLM engine as Ray actors, weights synced to vLLM every step.
+TRL: one process, generation with transformers' generate.
 Steady-state seconds per step exclude the first `--warmup` steps; results in bench/results/grpo_throughput.json.
 """
 import argparse
@@ -24,6 +25,7 @@ os.environ.update(HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", RAY_AUTH_M
                   RAY_USAGE_STATS_ENABLED="0", RAY_enable_metrics_collection="0", VLLM_ENABLE_V1_MULTIPROCESSING="0",
                   VLLM_CPU_KVCACHE_SPACE="1")
 PROMPTS, SAMPLES, NEW_TOKENS = 4, 4, 32
+CORES = os.cpu_count()
 REWARD_FILE = REPO / "config" / "rewards" / "sentiment.py"
 
 
@@ -41,32 +43,39 @@ def prompts(model_dir: Path, count: int) -> list[dict]:
     return [{"id": i, **r} for i, r in enumerate(rows)]
 
 
-def bench_alignpipe(model_dir: Path, rows: list[dict], steps: int) -> list[float]:
+def bench_alignpipe(model_dir: Path, rows: list[dict], steps: int, zero_stage: int, workers: int) -> list[float]:
     import ray
     from stages import rl
     from stages.config import rl_variant, validate_config
     from stages.models import load_tokenizer
-    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=tempfile.mkdtemp(prefix="ray-bench-", dir="/tmp"),
+    ray.init(num_cpus=CORES, include_dashboard=False, _temp_dir=tempfile.mkdtemp(prefix="ray-bench-", dir="/tmp"),
              logging_level="WARNING")
     settings = validate_config({"rl": {"estimator": "group_norm", "rollout_batch_size": PROMPTS,
                                        "n_samples": SAMPLES, "max_new_tokens": NEW_TOKENS, "batch_size": 16,
                                        "micro_batch_size": 4, "reward": str(REWARD_FILE.relative_to(REPO)),
-                                       "normalize_reward": False, "steps": steps}})
+                                       "normalize_reward": False, "steps": steps,
+                                       "zero_stage": zero_stage, "num_workers": workers}})
     cfg = rl.Config.from_params({"rl": rl_variant(settings, "grpo"), "variant": "grpo", "seed": 0})
     tokenizer = load_tokenizer(model_dir)
     for r in rows:
         r["prompt_ids"] = tokenizer(r["prompt"], add_special_tokens=False)["input_ids"]
-    roles = rl.Roles(cfg, {"model": model_dir}, steps, 2, 64 + NEW_TOKENS + 8)
+    roles = rl.Roles(cfg, {"model": model_dir}, steps, CORES, 64 + NEW_TOKENS + 8)
     sync_dir = Path(tempfile.mkdtemp(prefix="sync-"))
     times = []
     for s in range(steps):
-        t0 = time.perf_counter()
         batch = rows[s * PROMPTS:(s + 1) * PROMPTS]
+        phases = {}
+        t0 = time.perf_counter()
         samples = rl.generate(roles, batch, SAMPLES, cfg, s * 1000, cfg.temperature)
+        phases["generate"] = time.perf_counter() - t0
         rl.make_experience(roles, cfg, samples, cfg.kl_coef, {"mean": 0.0, "std": 1.0})
+        phases["make_experience"] = time.perf_counter() - t0 - sum(phases.values())
         rl.train_on(roles.policy, cfg, samples, random.Random(s))
+        phases["train"] = time.perf_counter() - t0 - sum(phases.values())
         rl.sync_weights(roles, sync_dir, model_dir)
+        phases["weight_sync"] = time.perf_counter() - t0 - sum(phases.values())
         times.append(time.perf_counter() - t0)
+        print("PHASES " + json.dumps(phases), flush=True)
     ray.shutdown()
     return times
 
@@ -78,7 +87,7 @@ def bench_trl(model_dir: Path, rows: list[dict], steps: int) -> list[float]:
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
     from stages.models import load_causal_lm, load_tokenizer
-    torch.set_num_threads(2)
+    torch.set_num_threads(CORES)
     spec = importlib.util.spec_from_file_location("reward", REWARD_FILE)
     reward_module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(reward_module)
@@ -111,6 +120,8 @@ def main() -> None:
     parser.add_argument("--model", type=Path, default=REPO / "results" / "bench" / "smollm2-135m-instruct")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--zero-stage", type=int, default=0, choices=[0, 1, 2, 3])
+    parser.add_argument("--workers", type=int, default=1, help="alignpipe's policy ranks (DeepSpeed)")
     parser.add_argument("--only", choices=["alignpipe", "trl"])
     args = parser.parse_args()
     if not (args.model / "config.json").exists():
@@ -119,13 +130,15 @@ def main() -> None:
         build_smollm2(args.model)
     rows = prompts(args.model, args.steps * PROMPTS)
     if args.only:
-        times = (bench_alignpipe if args.only == "alignpipe" else bench_trl)(args.model, rows, args.steps)
+        times = bench_alignpipe(args.model, rows, args.steps, args.zero_stage, args.workers) \
+            if args.only == "alignpipe" else bench_trl(args.model, rows, args.steps)
         print("STEP_TIMES " + json.dumps(times), flush=True)
         return
     results = {}
     for side in ("alignpipe", "trl"):
         out = subprocess.run([sys.executable, __file__, "--only", side, "--model", str(args.model), "--steps",
-                              str(args.steps)], capture_output=True, text=True)
+                              str(args.steps), "--zero-stage", str(args.zero_stage), "--workers", str(args.workers)],
+                             capture_output=True, text=True)
         line = [l for l in out.stdout.splitlines() if l.startswith("STEP_TIMES ")]
         if out.returncode != 0 or not line:
             sys.exit(f"{side} failed:\n{out.stdout[-3000:]}\n{out.stderr[-5000:]}")
@@ -133,8 +146,12 @@ def main() -> None:
         steady = statistics.fmean(times[args.warmup:])
         results[side] = {"step_seconds": times, "steady_seconds_per_step": steady,
                          "samples_per_second": PROMPTS * SAMPLES / steady}
+        phases = [json.loads(l.removeprefix("PHASES ")) for l in out.stdout.splitlines() if l.startswith("PHASES ")]
+        if phases:  # alignpipe's steady seconds per phase
+            results[side]["phase_seconds"] = {k: statistics.fmean(p[k] for p in phases[args.warmup:]) for k in phases[0]}
         print(f"{side}: {steady:.2f} s/step, {PROMPTS * SAMPLES / steady:.3f} samples/s", flush=True)
     results["setup"] = {"model": "SmolLM2-135M-Instruct", "prompts_per_step": PROMPTS, "samples_per_prompt": SAMPLES,
+                        "alignpipe_policy": f"{args.workers} rank(s), ZeRO-{args.zero_stage}",
                         "max_new_tokens": NEW_TOKENS, "steps": args.steps, "warmup_steps_excluded": args.warmup}
     out_dir = REPO / "bench" / "results"
     out_dir.mkdir(exist_ok=True)
