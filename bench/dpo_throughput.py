@@ -3,7 +3,8 @@
     make bench-dpo        # or: .venv/bin/python bench/dpo_throughput.py --steps 8
 Both train the same SmolLM2-135M-Instruct on the same generated IMDB preference pairs (prompt <= 64 tokens,
 responses cut at 48), global batch 8, sigmoid DPO with beta 0.1, fp32, on all of this machine's cores:
-alignpipe as 2 DeepSpeed ZeRO-2 ranks in Ray actors (1 thread each), TRL as one process (2 threads).
+alignpipe as the demo's trainer in Ray actors (`--zero-stage`/`--workers`, default one ZeRO-0 rank with every
+core; `--workers 2 --zero-stage 2` for two ZeRO-2 ranks of one core each), TRL as one process.
 Steady-state pairs/s excludes the first `--warmup` steps. Results go to bench/results/dpo_throughput.json.
 """
 import argparse
@@ -46,15 +47,16 @@ class StepTimer:
         self.times.append(time.perf_counter())
 
 
-def bench_alignpipe(model_dir: Path, pairs: list[dict], batch: int, steps: int) -> list[float]:
+def bench_alignpipe(model_dir: Path, pairs: list[dict], batch: int, steps: int, zero_stage: int,
+                    workers: int) -> list[float]:
     import ray
     from stages import dpo, trainer
-    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=tempfile.mkdtemp(prefix="ray-bench-", dir="/tmp"),
-             logging_level="WARNING")
-    cfg = dpo.Config(zero_stage=2, num_workers=2, epochs=1, batch_size=batch, micro_batch_size=batch // 2,
-                     learning_rate=5e-6, weight_decay=0.0, warmup_steps=0, max_grad_norm=1.0, checkpoint_every=0,
-                     seed=0, loss="dpo", beta=0.1, label_smoothing=0.0, nll_weight=0.0, simpo_gamma=0.5,
-                     kto_desirable_weight=1.0, kto_undesirable_weight=1.0)
+    ray.init(num_cpus=os.cpu_count(), include_dashboard=False, logging_level="WARNING",
+             _temp_dir=tempfile.mkdtemp(prefix="ray-bench-", dir="/tmp"))
+    cfg = dpo.Config(zero_stage=zero_stage, num_workers=workers, epochs=1, batch_size=batch,
+                     micro_batch_size=batch // 2, learning_rate=5e-6, weight_decay=0.0, warmup_steps=0,
+                     max_grad_norm=1.0, checkpoint_every=0, seed=0, loss="dpo", beta=0.1, label_smoothing=0.0,
+                     nll_weight=0.0, simpo_gamma=0.5, kto_desirable_weight=1.0, kto_undesirable_weight=1.0)
     loss_cfg = {k: getattr(cfg, k) for k in ("loss", "beta", "label_smoothing", "nll_weight", "simpo_gamma",
                                              "kto_desirable_weight", "kto_undesirable_weight")}
     group = trainer.start_workers(dpo.DPOWorker, cfg, model_dir, steps, {"dpo": loss_cfg})
@@ -71,7 +73,7 @@ def bench_trl(model_dir: Path, pairs: list[dict], batch: int, steps: int) -> lis
     from transformers import TrainerCallback
     from trl import DPOConfig, DPOTrainer
     from stages.models import load_causal_lm, load_tokenizer
-    torch.set_num_threads(2)
+    torch.set_num_threads(os.cpu_count())
     times = []
 
     class Timer(TrainerCallback):
@@ -99,6 +101,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--zero-stage", type=int, default=0, choices=[0, 1, 2, 3])
+    parser.add_argument("--workers", type=int, default=1, choices=[1, 2], help="alignpipe's DeepSpeed ranks")
     parser.add_argument("--only", choices=["alignpipe", "trl"], help="run one side (the other side's subprocess)")
     args = parser.parse_args()
     if not (args.model / "config.json").exists():
@@ -107,14 +111,16 @@ def main() -> None:
         build_smollm2(args.model)
     pairs = make_pairs(args.model, args.steps * args.batch)
     if args.only:
-        times = (bench_alignpipe if args.only == "alignpipe" else bench_trl)(args.model, pairs, args.batch, args.steps)
+        times = bench_alignpipe(args.model, pairs, args.batch, args.steps, args.zero_stage, args.workers) \
+            if args.only == "alignpipe" else bench_trl(args.model, pairs, args.batch, args.steps)
         print("STEP_TIMES " + json.dumps(times), flush=True)
         return
     import subprocess
     results = {}
     for side in ("alignpipe", "trl"):  # separate processes: neither inherits the other's threads or memory
         out = subprocess.run([sys.executable, __file__, "--only", side, "--model", str(args.model), "--steps",
-                              str(args.steps), "--batch", str(args.batch)], capture_output=True, text=True)
+                              str(args.steps), "--batch", str(args.batch), "--zero-stage", str(args.zero_stage),
+                              "--workers", str(args.workers)], capture_output=True, text=True)
         line = [l for l in out.stdout.splitlines() if l.startswith("STEP_TIMES ")]
         if out.returncode != 0 or not line:
             sys.exit(f"{side} failed:\n{out.stdout[-3000:]}\n{out.stderr[-5000:]}")
@@ -125,6 +131,7 @@ def main() -> None:
         print(f"{side}: {results[side]['pairs_per_second']:.3f} pairs/s "
               f"({results[side]['steady_seconds_per_step']:.2f} s/step)", flush=True)
     results["setup"] = {"model": "SmolLM2-135M-Instruct", "batch": args.batch, "steps": args.steps,
+                        "alignpipe_trainer": f"{args.workers} rank(s), ZeRO-{args.zero_stage}",
                         "warmup_steps_excluded": args.warmup, "max_prompt_tokens": 64, "max_response_tokens": 48}
     out_dir = REPO / "bench" / "results"
     out_dir.mkdir(exist_ok=True)

@@ -148,7 +148,8 @@ def main() -> None:
                          "samples_per_second": PROMPTS * SAMPLES / steady}
         phases = [json.loads(l.removeprefix("PHASES ")) for l in out.stdout.splitlines() if l.startswith("PHASES ")]
         if phases:  # alignpipe's steady seconds per phase
-            results[side]["phase_seconds"] = {k: statistics.fmean(p[k] for p in phases[args.warmup:]) for k in phases[0]}
+            results[side]["phase_seconds"] = {k: statistics.fmean(p[k] for p in phases[args.warmup:])
+                                              for k in phases[0]}
         print(f"{side}: {steady:.2f} s/step, {PROMPTS * SAMPLES / steady:.3f} samples/s", flush=True)
     results["setup"] = {"model": "SmolLM2-135M-Instruct", "prompts_per_step": PROMPTS, "samples_per_prompt": SAMPLES,
                         "alignpipe_policy": f"{args.workers} rank(s), ZeRO-{args.zero_stage}",
