@@ -22,14 +22,12 @@ GLOBAL_BATCH, PROMPT_TOKENS, RESPONSE_TOKENS, STEPS = 8, 34, 24, 5
 
 
 def rank_main(rank: int, world: int, mode: str, optimizer_impl: str, model_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29533", RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK="0")
     import deepspeed
-    from stages.deepspeed_strategy import ds_config
+    from stages.deepspeed_strategy import DeepSpeedWorker, ds_config
     from stages.models import load_causal_lm, load_tokenizer, pad_prompt_response, response_logprobs
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
-    torch.set_num_threads(max(1, os.cpu_count() // world))
+    # The stages' own process-group setup (gloo on CPU, no shared-memory comm build), outside Ray.
+    DeepSpeedWorker().init_distributed(rank, {"master_addr": "127.0.0.1", "master_port": 29533, "world_size": world},
+                                       max(1, os.cpu_count() // world))
     per_rank = GLOBAL_BATCH // world
     batch = pad_prompt_response([[5] * PROMPT_TOKENS] * per_rank, [[7] * RESPONSE_TOKENS] * per_rank,
                                 load_tokenizer(model_dir).pad_token_id)
