@@ -117,7 +117,9 @@ def run(cfg: Config, inputs: dict, output: Path, run) -> None:
                  "kto_undesirable_weight")
     group = trainer.start_workers(DPOWorker, cfg, inputs["model"], total_steps,
                                   {"dpo": {k: getattr(cfg, k) for k in loss_keys}})
-    before = held_out_metrics(group, eval_rows, cfg.num_workers)
+    # Before training the policy is its reference, so every reference-based implicit reward is exactly 0.
+    before = held_out_metrics(group, eval_rows, cfg.num_workers) if cfg.loss == "simpo" else \
+        {"margin": 0.0, "accuracy": 0.0, "chosen_reward": 0.0, "rejected_reward": 0.0}
     log = trainer.fit(group, cfg, train_rows, "dpo", run)
     after = held_out_metrics(group, eval_rows, cfg.num_workers)
     group.call("save_hf", str(output), str(inputs["model"]))

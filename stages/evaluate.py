@@ -15,7 +15,7 @@ import ray
 import torch
 
 from stages import data, losses, rewards
-from stages.models import load_causal_lm, load_tokenizer, pad_prompt_response
+from stages.models import load_causal_lm, load_tokenizer, pad_prompt_response, response_logits
 from stages.rollout import VLLMEngine, sampling_seed
 
 USES_RAY = True
@@ -62,13 +62,11 @@ class Scorer:
         out = []
         for i in range(0, len(prompts), SCORE_BATCH):
             batch = pad_prompt_response(prompts[i:i + SCORE_BATCH], responses[i:i + SCORE_BATCH], self.pad_id)
-            inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
-            mask = batch["loss_mask"][:, 1:]
-            logits = self.model(**inputs).logits[:, :-1]
-            logp = losses.token_logprobs(logits, batch["input_ids"][:, 1:]) * mask
+            logits, labels, mask = response_logits(self.model, batch)
+            logp = losses.token_logprobs(logits, labels) * mask
             kl = torch.zeros_like(mask)
             if with_reference and self.reference is not self.model:
-                kl = token_kl(logits, self.reference(**inputs).logits[:, :-1]) * mask
+                kl = token_kl(logits, response_logits(self.reference, batch)[0]) * mask
             out += [(a, b, n) for a, b, n in zip(logp.sum(1).tolist(), kl.sum(1).tolist(), mask.sum(1).tolist())]
         return out
 
@@ -82,6 +80,8 @@ def run(cfg: Config, inputs: dict, output: Path, run) -> None:
 
     print(f"[evaluate] {cfg.model}: generating {len(rows)} prompts x {cfg.max_new_tokens} tokens with vLLM", flush=True)
     engine = ray.remote(num_cpus=1)(VLLMEngine).remote(str(inputs["model"]), cfg.seed, max_len, num_threads=threads)
+    # The scorer loads its models meanwhile (mostly imports and file reads); it computes only after generation.
+    scorer = ray.remote(num_cpus=1)(Scorer).remote(str(inputs["model"]), str(inputs["reference"]), threads)
     samples = ray.get(engine.generate.remote(prompt_ids, 1, cfg.temperature, cfg.top_p, cfg.max_new_tokens,
                                              sampling_seed(cfg.seed, "evaluate")))
     ray.kill(engine)  # free its cores and KV cache before scoring
@@ -90,7 +90,6 @@ def run(cfg: Config, inputs: dict, output: Path, run) -> None:
     scores = rewards.sentiment(texts)
 
     print(f"[evaluate] {cfg.model}: scoring KL to the reference and perplexity", flush=True)
-    scorer = ray.remote(num_cpus=1)(Scorer).remote(str(inputs["model"]), str(inputs["reference"]), threads)
     logps = ray.get(scorer.sequence_logprobs.remote(prompt_ids, [c["token_ids"] for c in completions], True))
     held_out = data.read_jsonl(inputs["data"] / "sft_eval.jsonl")
     encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]

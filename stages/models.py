@@ -122,9 +122,19 @@ def pair_batch(tokenizer, rows: list[dict]) -> dict:
     return pad_prompt_response(prompts * 2, responses, tokenizer.pad_token_id)
 
 
-def response_logprobs(model, batch: dict):
-    """Log-probability of each next token, zeroed outside the response: (B, T-1), and the mask (B, T-1)."""
-    from stages.losses import token_logprobs
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
+def response_logits(model, batch: dict):
+    """Next-token logits at the positions that predict response tokens (B, K, V), their labels (B, K) and the
+    response mask (B, K). The output layer, a large share of a small model's compute over a 49k vocabulary, runs
+    only from the first response position of the (right-padded) batch on, not over the prompts."""
     mask = batch["loss_mask"][:, 1:]
-    return token_logprobs(logits, batch["input_ids"][:, 1:]) * mask, mask
+    start = int(mask.any(0).nonzero()[0, 0]) if mask.any() else 0
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                   logits_to_keep=mask.shape[1] + 1 - start).logits[:, :-1]
+    return logits, batch["input_ids"][:, 1 + start:], mask[:, start:]
+
+
+def response_logprobs(model, batch: dict):
+    """Log-probability of each response token (B, K), zeroed elsewhere, and the mask (B, K) (see response_logits)."""
+    from stages.losses import token_logprobs
+    logits, labels, mask = response_logits(model, batch)
+    return token_logprobs(logits, labels) * mask, mask

@@ -31,7 +31,7 @@ from stages.advantages import compute_advantages
 from stages.config import REPO_ROOT
 from stages.deepspeed_strategy import DeepSpeedWorker
 from stages.models import (load_causal_lm, load_reward_model, load_tokenizer, load_value_model, pad_prompt_response,
-                           response_logprobs)
+                           response_logits, response_logprobs)
 from stages.progress import Progress
 from stages.rollout import VLLMEngine, sampling_seed
 
@@ -88,9 +88,8 @@ def per_row(values: torch.Tensor, mask: torch.Tensor) -> list[list[float]]:
     return [v[m.bool()].tolist() for v, m in zip(values, mask)]
 
 
-def sample_batch(rows: list[dict], pad_id: int) -> tuple[dict, torch.Tensor]:
-    batch = pad_prompt_response([r["prompt_ids"] for r in rows], [r["response_ids"] for r in rows], pad_id)
-    return batch, batch["loss_mask"][:, 1:]
+def sample_batch(rows: list[dict], pad_id: int) -> dict:
+    return pad_prompt_response([r["prompt_ids"] for r in rows], [r["response_ids"] for r in rows], pad_id)
 
 
 class PolicyWorker(DeepSpeedWorker):
@@ -104,14 +103,13 @@ class PolicyWorker(DeepSpeedWorker):
     def logprobs(self, rows: list[dict]) -> list[list[float]]:
         if not rows:
             return []
-        batch, mask = sample_batch(rows, self.pad_id)
-        return per_row(response_logprobs(self.engine, batch)[0], mask)
+        return per_row(*response_logprobs(self.engine, sample_batch(rows, self.pad_id)))
 
     def loss(self, rows):
         cfg = self.cfg
-        batch, mask = sample_batch(rows, self.pad_id)
-        logits = self.engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
-        logp = losses.token_logprobs(logits, batch["input_ids"][:, 1:]) * mask
+        batch = sample_batch(rows, self.pad_id)
+        logits, labels, mask = response_logits(self.engine, batch)
+        logp = losses.token_logprobs(logits, labels) * mask
         old = token_tensor(rows, "old_logp", mask)
         is_weight = None
         if cfg["is_cap"]:  # truncated IS: pi_trainer_old / pi_vllm, capped (vLLM's sampler differs numerically)
@@ -139,7 +137,8 @@ class CriticWorker(DeepSpeedWorker):
         self.build_engine(model_loader=load_value_model, **args["engine"])
 
     def _values(self, rows):
-        batch, mask = sample_batch(rows, self.pad_id)
+        batch = sample_batch(rows, self.pad_id)
+        mask = batch["loss_mask"][:, 1:]
         # The value of the state before each response token: logits at position t-1, shape (B, T).
         values = self.engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1, 0]
         return values * mask, mask
@@ -168,12 +167,11 @@ class FrozenScorer:
 
     @torch.no_grad()
     def logprobs(self, rows: list[dict]) -> list[list[float]]:
-        batch, mask = sample_batch(rows, self.tokenizer.pad_token_id)
-        return per_row(response_logprobs(self.model, batch)[0], mask)
+        return per_row(*response_logprobs(self.model, sample_batch(rows, self.tokenizer.pad_token_id)))
 
     @torch.no_grad()
     def scores(self, rows: list[dict]) -> list[float]:
-        batch, _ = sample_batch(rows, self.tokenizer.pad_token_id)
+        batch = sample_batch(rows, self.tokenizer.pad_token_id)
         return self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, 0].tolist()
 
 

@@ -1,6 +1,7 @@
 """The whole DAG on the tiny config, through the real parts; then what Snakemake plans after changes."""
 import csv
 import json
+import math
 import re
 import statistics
 from pathlib import Path
@@ -75,8 +76,11 @@ def test_reward_model_beats_chance(tiny_run):
 
 @pytest.mark.parametrize("seed", [0, 1])
 def test_dpo_widens_held_out_margin(tiny_run, seed):
-    dpo = json.loads((tiny_run["results"] / "dpo" / f"seed{seed}" / "metrics.json").read_text())
-    assert dpo["eval_margin_before"] == pytest.approx(0.0, abs=1e-6), "policy starts as its own reference"
+    run_dir = tiny_run["results"] / "dpo" / f"seed{seed}"
+    dpo = json.loads((run_dir / "metrics.json").read_text())
+    first = json.loads((run_dir / "train_log.jsonl").read_text().splitlines()[0])
+    # The first step's loss is taken before any update: the policy starts as its own reference.
+    assert first["margin"] == pytest.approx(0.0, abs=1e-6) and first["loss"] == pytest.approx(math.log(2), abs=1e-6)
     assert dpo["eval_margin"] > DPO_MARGIN_BAR, dpo
     assert dpo["eval_chosen_reward"] > dpo["eval_rejected_reward"]
 
