@@ -110,7 +110,8 @@ class PolicyWorker(DeepSpeedWorker):
         batch = sample_batch(rows, self.pad_id)
         logits, labels, mask = response_logits(self.engine, batch)
         logp = losses.token_logprobs(logits, labels) * mask
-        old = token_tensor(rows, "old_logp", mask)
+        # Without old log-probs (see trains_once) the old policy is the current one: the ratio is exactly 1.
+        old = token_tensor(rows, "old_logp", mask) if "old_logp" in rows[0] else logp.detach()
         is_weight = None
         if cfg["is_cap"]:  # truncated IS: pi_trainer_old / pi_vllm, capped (vLLM's sampler differs numerically)
             is_weight = torch.exp(old - token_tensor(rows, "rollout_logp", mask)).clamp(max=cfg["is_cap"]) * mask
@@ -238,6 +239,13 @@ def score(roles: Roles, rows: list[dict]) -> list[float]:
                                               [r["label"] for r in rows])]
 
 
+def trains_once(cfg: Config) -> bool:
+    """Is each rollout trained on in one optimizer step, by the weights that sampled it? Then the policy's old
+    log-probs are the training forward's own, detached (as in TRL's GRPO with num_iterations=1), and need no pass
+    of their own. (The KL in the reward is computed before training, so it still needs them.)"""
+    return cfg.ppo_epochs == 1 and cfg.batch_size == cfg.rollout_batch_size * cfg.n_samples and not cfg.kl_in_reward
+
+
 def make_experience(roles: Roles, cfg: Config, rows: list[dict], kl_coef: float, reward_stats: dict) -> dict:
     raw = score(roles, rows)
     scores = torch.tensor(raw)
@@ -245,14 +253,17 @@ def make_experience(roles: Roles, cfg: Config, rows: list[dict], kl_coef: float,
         scores = (scores - reward_stats["mean"]) / max(reward_stats["std"], 1e-6)
     if cfg.reward_clip:
         scores = scores.clamp(-cfg.reward_clip, cfg.reward_clip)
-    old = split_call(roles.policy, "logprobs", rows)
-    ref = ray.get(roles.reference.logprobs.remote(rows))
-    for row, o, r in zip(rows, old, ref):
-        row["old_logp"], row["ref_logp"] = o, r
+    for row, r in zip(rows, ray.get(roles.reference.logprobs.remote(rows))):
+        row["ref_logp"] = r
+    once = trains_once(cfg)
+    if not once:
+        for row, o in zip(rows, split_call(roles.policy, "logprobs", rows)):
+            row["old_logp"] = o
+    sampled = "rollout_logp" if once else "old_logp"  # vLLM's log-probs come from the same weights
     width = max(len(r["response_ids"]) for r in rows)
     mask = torch.tensor([[1.0] * len(r["response_ids"]) + [0.0] * (width - len(r["response_ids"])) for r in rows])
     pad = lambda key: torch.tensor([r[key] + [0.0] * (width - len(r[key])) for r in rows])
-    kl = losses.kl_estimate(pad("old_logp"), pad("ref_logp"), cfg.kl_estimator) * mask
+    kl = losses.kl_estimate(pad(sampled), pad("ref_logp"), cfg.kl_estimator) * mask
     token_rewards = torch.zeros_like(mask)
     last = mask.sum(-1).long() - 1
     token_rewards[torch.arange(len(rows)), last] = scores
@@ -269,12 +280,13 @@ def make_experience(roles: Roles, cfg: Config, rows: list[dict], kl_coef: float,
         n = len(row["response_ids"])
         row["advantages"], row["returns"] = advantages[i, :n].tolist(), returns[i, :n].tolist()
     lengths = mask.sum(-1)
-    # How far vLLM's sampling log-probs are from the trainer's: near 0 when the weight sync works.
-    vllm_gap = losses.masked_mean((pad("old_logp") - pad("rollout_logp")).abs(), mask).item()
-    return {"reward_mean": statistics.fmean(raw), "reward_std": statistics.pstdev(raw), "vllm_logprob_gap": vllm_gap,
-            "kl": (kl.sum(-1)).mean().item(), "response_length": lengths.mean().item(),
-            "advantage_mean": losses.masked_mean(advantages, mask).item(),
-            "advantage_std": advantages[mask.bool()].std().item() if mask.sum() > 1 else 0.0}
+    metrics = {"reward_mean": statistics.fmean(raw), "reward_std": statistics.pstdev(raw),
+               "kl": (kl.sum(-1)).mean().item(), "response_length": lengths.mean().item(),
+               "advantage_mean": losses.masked_mean(advantages, mask).item(),
+               "advantage_std": advantages[mask.bool()].std().item() if mask.sum() > 1 else 0.0}
+    if not once:  # how far vLLM's sampling log-probs are from the trainer's: near 0 when the weight sync works
+        metrics["vllm_logprob_gap"] = losses.masked_mean((pad("old_logp") - pad("rollout_logp")).abs(), mask).item()
+    return metrics
 
 
 def train_on(group: ActorGroup, cfg: Config, rows: list[dict], rng: random.Random) -> dict:
