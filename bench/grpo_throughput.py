@@ -54,6 +54,8 @@ def bench_alignpipe(model_dir: Path, rows: list[dict], steps: int, zero_stage: i
                                        "n_samples": SAMPLES, "max_new_tokens": NEW_TOKENS, "batch_size": 16,
                                        "micro_batch_size": 4, "reward": str(REWARD_FILE.relative_to(REPO)),
                                        "normalize_reward": False, "steps": steps,
+                                       # TRL's GRPO: the KL to the reference (beta 0.01) is a loss term
+                                       "kl_in_reward": False, "kl_coef": 0.01,
                                        "zero_stage": zero_stage, "num_workers": workers}})
     cfg = rl.Config.from_params({"rl": rl_variant(settings, "grpo"), "variant": "grpo", "seed": 0})
     tokenizer = load_tokenizer(model_dir)
