@@ -104,7 +104,11 @@ class DPOWorker(DeepSpeedWorker):
 
 
 def held_out_metrics(group, rows: list, world_size: int) -> dict:
-    pairs = [p for part in trainer.evaluate_split(group, rows, world_size) for p in part]
+    return pair_metrics([p for part in trainer.evaluate_split(group, rows, world_size) for p in part])
+
+
+def pair_metrics(pairs: list[tuple[float, float]]) -> dict:
+    """Mean margin, accuracy and implicit rewards of (chosen, rejected) implicit-reward pairs."""
     return {"margin": statistics.fmean(c - r for c, r in pairs), "accuracy": statistics.fmean(c > r for c, r in pairs),
             "chosen_reward": statistics.fmean(c for c, _ in pairs), "rejected_reward": statistics.fmean(r for _, r in pairs)}
 
@@ -118,8 +122,7 @@ def run(cfg: Config, inputs: dict, output: Path, run) -> None:
     group = trainer.start_workers(DPOWorker, cfg, inputs["model"], total_steps,
                                   {"dpo": {k: getattr(cfg, k) for k in loss_keys}})
     # Before training the policy is its reference, so every reference-based implicit reward is exactly 0.
-    before = held_out_metrics(group, eval_rows, cfg.num_workers) if cfg.loss == "simpo" else \
-        {"margin": 0.0, "accuracy": 0.0, "chosen_reward": 0.0, "rejected_reward": 0.0}
+    before = held_out_metrics(group, eval_rows, cfg.num_workers) if cfg.loss == "simpo" else pair_metrics([(0.0, 0.0)])
     log = trainer.fit(group, cfg, train_rows, "dpo", run)
     after = held_out_metrics(group, eval_rows, cfg.num_workers)
     group.call("save_hf", str(output), str(inputs["model"]))
