@@ -11,6 +11,8 @@ from pathlib import Path
 import jsonschema
 import yaml
 
+from stages.models import LLAMA_LINEAR_LAYERS
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SCHEMA_PATH = REPO_ROOT / "workflow" / "schemas" / "config.schema.yaml"
 
@@ -79,6 +81,10 @@ def check_consistency(config: dict, source: str) -> None:
         if trainer["batch_size"] % per_step:
             raise ConfigError(f"{source}: {where}.batch_size = {trainer['batch_size']} must be a multiple of "
                               f"{where}.micro_batch_size * {where}.num_workers = {per_step}")
+        unknown = sorted(set(trainer["lora_targets"]) - set(LLAMA_LINEAR_LAYERS))
+        if trainer["lora_rank"] and unknown:  # every model.source is a Llama-style model
+            raise ConfigError(f"{source}: {where}.lora_targets {unknown}: no such linear layer; valid: "
+                              f"{list(LLAMA_LINEAR_LAYERS)}")
     for name in config["rl"]["variants"]:
         rl = trainers[f"rl.variants.{name}"]
         if rl["estimator"] not in ("gae", "reinforce") and rl["n_samples"] < 2:

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 
+from stages.lora import apply_lora, merged_state_dict
+
 
 def ds_config(zero_stage: int, micro_batch_size: int, grad_accum: int, world_size: int, max_grad_norm: float) -> dict:
     return {
@@ -39,6 +41,7 @@ def warmup_cosine(optimizer, warmup_steps: int, total_steps: int):
 
 class DeepSpeedWorker:
     """One rank of a DeepSpeed trainer, run as a Ray actor by `ActorGroup`."""
+    TRAINS_HEAD = False  # does the model have a freshly initialised head that trains fully under LoRA?
 
     def rendezvous_address(self) -> tuple[str, int]:
         import ray
@@ -60,7 +63,8 @@ class DeepSpeedWorker:
 
     def build_engine(self, model_dir: str, zero_stage: int, micro_batch_size: int, grad_accum: int,
                      learning_rate: float, weight_decay: float, warmup_steps: int, total_steps: int,
-                     max_grad_norm: float, seed: int, model_loader) -> None:
+                     max_grad_norm: float, seed: int, lora_rank: int, lora_alpha: float, lora_targets: list[str],
+                     model_loader) -> None:
         import deepspeed
         config = ds_config(zero_stage, micro_batch_size, grad_accum, self.world_size, max_grad_norm)
         torch.manual_seed(seed)
@@ -70,6 +74,11 @@ class DeepSpeedWorker:
             self._hf_ds_config = HfDeepSpeedConfig(config)
         model = model_loader(model_dir)
         model.train()
+        self.lora = lora_rank > 0
+        if self.lora:
+            trainable = apply_lora(model, lora_rank, lora_alpha, lora_targets, self.TRAINS_HEAD)
+            print(f"[{type(self).__name__}] LoRA r{lora_rank} on {', '.join(lora_targets)}: {trainable:,} of "
+                  f"{sum(p.numel() for p in model.parameters()):,} parameters train", flush=True)
         optimizer = torch.optim.AdamW(self.param_groups(model, learning_rate), lr=learning_rate,
                                       weight_decay=weight_decay, fused=True)
         scheduler = warmup_cosine(optimizer, warmup_steps, total_steps)
@@ -94,7 +103,7 @@ class DeepSpeedWorker:
 
     def param_groups(self, model, learning_rate: float) -> list[dict]:
         """The optimizer's parameter groups; a subclass may give some parameters their own learning rate."""
-        return [{"params": list(model.parameters()), "lr": learning_rate}]
+        return [{"params": [p for p in model.parameters() if p.requires_grad], "lr": learning_rate}]
 
     def save_checkpoint(self, ckpt_dir: str, tag: str) -> None:
         """Model, optimizer and scheduler (DeepSpeed's own format, per rank) plus this rank's RNG state."""
@@ -115,7 +124,8 @@ class DeepSpeedWorker:
             else contextlib.nullcontext()
         with gather:  # under ZeRO-3 the full weights exist only inside this context
             if self.rank == 0:
-                model.save_pretrained(out_dir, safe_serialization=True)
+                model.save_pretrained(out_dir, state_dict=merged_state_dict(model) if self.lora else None,
+                                      safe_serialization=True)
         if self.rank == 0:
             from stages.models import load_tokenizer
             load_tokenizer(tokenizer_dir).save_pretrained(out_dir)

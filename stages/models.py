@@ -11,6 +11,8 @@ from pathlib import Path
 CHATML = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
           "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# The linear layers of each decoder block of a Llama-style model (SmolLM2 and `tiny` both are): LoRA's targets.
+LLAMA_LINEAR_LAYERS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def load_tokenizer(path, trust_remote_code: bool = False):

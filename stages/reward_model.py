@@ -38,6 +38,7 @@ def score_pairs(model, tokenizer, rows: list[dict]) -> tuple[torch.Tensor, torch
 
 
 class RewardWorker(DeepSpeedWorker):
+    TRAINS_HEAD = True
     def setup(self, args: dict) -> None:
         self.init_distributed(args["rank"], args["rendezvous"], args["num_threads"])
         self.tokenizer = load_tokenizer(args["model_dir"])
@@ -48,8 +49,9 @@ class RewardWorker(DeepSpeedWorker):
     def param_groups(self, model, learning_rate):
         # The score head starts from random weights while the backbone is already trained: with one small
         # learning rate the head barely moves in a short run (the demo's reward model stayed at chance).
-        head = [p for name, p in model.named_parameters() if name.startswith("score.")]
-        body = [p for name, p in model.named_parameters() if not name.startswith("score.")]
+        trained = [(name, p) for name, p in model.named_parameters() if p.requires_grad]  # LoRA freezes most
+        head = [p for name, p in trained if name.startswith("score.")]
+        body = [p for name, p in trained if not name.startswith("score.")]
         return [{"params": body, "lr": learning_rate},
                 {"params": head, "lr": self.head_learning_rate or learning_rate}]
 

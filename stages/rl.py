@@ -131,6 +131,7 @@ class PolicyWorker(DeepSpeedWorker):
 
 
 class CriticWorker(DeepSpeedWorker):
+    TRAINS_HEAD = True
     def setup(self, args: dict) -> None:
         self.init_distributed(args["rank"], args["rendezvous"], args["num_threads"])
         self.pad_id = load_tokenizer(args["model_dir"]).pad_token_id

@@ -32,6 +32,9 @@ class TrainerConfig:
     warmup_steps: int
     max_grad_norm: float
     checkpoint_every: int
+    lora_rank: int
+    lora_alpha: float
+    lora_targets: list[str]
     seed: int
 
 
@@ -51,7 +54,7 @@ def start_workers(worker_cls, cfg: TrainerConfig, model_dir: Path, total_steps: 
     engine = dict(model_dir=str(model_dir), zero_stage=cfg.zero_stage, micro_batch_size=cfg.micro_batch_size,
                   grad_accum=grad_accum, learning_rate=cfg.learning_rate, weight_decay=cfg.weight_decay,
                   warmup_steps=cfg.warmup_steps, total_steps=total_steps, max_grad_norm=cfg.max_grad_norm,
-                  seed=cfg.seed)
+                  seed=cfg.seed, lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_targets=cfg.lora_targets)
     group.call_per_rank("setup", [{"rank": r, "rendezvous": group.rendezvous, "num_threads": threads,
                                    "model_dir": str(model_dir), "engine": engine, **(extra or {})}
                                   for r in range(cfg.num_workers)])

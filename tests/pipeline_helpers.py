@@ -33,16 +33,16 @@ def write_config(path: Path, results_dir: Path, **overrides) -> Path:
     return path
 
 
-def submit_again(tiny_run: dict, stage_dir: Path, out_root: Path, **rl_overrides):
+def submit_again(tiny_run: dict, stage_dir: Path, out_root: Path, **overrides):
     """Submit the stage that wrote `stage_dir` once more through the launcher's StageJob, with the params and
-    inputs its stage.json records (an rl stage's settings updated by `rl_overrides`), writing under `out_root`
+    inputs its stage.json records (the stage's own settings updated by `overrides`), writing under `out_root`
     and tracking to MLflow experiment `tiny-rerun`. Returns (submitit job, output dir, checkpoint dir)."""
     from stages.config import load_config_files
     from stages.launcher import StageJob, make_executor, stage_resources
     record = json.loads((stage_dir / "stage.json").read_text())
     params = record["params"]
-    if rl_overrides:
-        params = params | {"rl": params["rl"] | rl_overrides}
+    if overrides:
+        params = params | {record["stage"]: params[record["stage"]] | overrides}
     resources, _ = stage_resources(record["stage"], load_config_files([tiny_run["configfile"]])["launcher"])
     absolute = lambda p: str(p if Path(p).is_absolute() else REPO_ROOT / p)
     inputs = {k: [absolute(p) for p in v] if isinstance(v, list) else absolute(v) for k, v in record["inputs"].items()}

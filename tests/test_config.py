@@ -36,6 +36,7 @@ def test_shipped_configs_are_valid():
     ({"rl": {"reward": "no/such/file.py"}}, ["rl.variants.grpo.reward", "no/such/file.py", "reward_fn"]),
     ({"rl": {"variants": {"ppo": {"estimatr": "gae"}}}}, ["unknown key rl.variants.ppo.estimatr", "estimator"]),
     ({"evaluate": {"models": ["base", "ppo"]}}, ["evaluate.models.1", "'ppo'", "grpo"]),
+    ({"dpo": {"lora_rank": 8, "lora_targets": ["q_proj", "qkv"]}}, ["dpo.lora_targets", "qkv", "v_proj"]),
 ])
 def test_bad_config_names_key_and_valid_values(raw, expected):
     with pytest.raises(ConfigError) as err:

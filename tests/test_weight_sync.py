@@ -30,15 +30,18 @@ def hf_greedy(model_dir, prompt_ids: list[list[int]], new_tokens: int) -> list[l
             for ids in prompt_ids]
 
 
-def test_vllm_matches_trainer_after_each_sync(tmp_path, local_ray):
+@pytest.mark.parametrize("zero_stage, lora_rank", [(2, 0), (3, 4)], ids=["zero2-full", "zero3-lora"])
+def test_vllm_matches_trainer_after_each_sync(tmp_path, local_ray, zero_stage, lora_rank):
+    """With LoRA, what vLLM gets (and the stage exports) is the merged model."""
     base = tmp_path / "base"
     texts = [r["text"] for r in data.load_reviews("rotten_tomatoes")[:500]]
     models.build_tiny(base, {"hidden_size": 64, "num_layers": 2, "num_heads": 2, "vocab_size": 400}, 0, texts)
     tokenizer = models.load_tokenizer(base)
     prompt_ids = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in ("a gripping film", "the plot is")]
-    cfg = trainer.TrainerConfig(zero_stage=2, num_workers=1, epochs=1, batch_size=8, micro_batch_size=8,
+    cfg = trainer.TrainerConfig(zero_stage=zero_stage, num_workers=1, epochs=1, batch_size=8, micro_batch_size=8,
                                 learning_rate=2e-2, weight_decay=0.0, warmup_steps=0, max_grad_norm=1.0,
-                                checkpoint_every=0, seed=0)
+                                checkpoint_every=0, lora_rank=lora_rank, lora_alpha=2 * lora_rank,
+                                lora_targets=list(models.LLAMA_LINEAR_LAYERS), seed=0)
     rl_cfg = {"clip_low": 0.2, "clip_high": 0.2, "dual_clip": None, "loss_agg": "token_mean", "is_cap": None,
               "entropy_coef": 0.0, "kl_in_reward": True, "kl_coef": 0.0, "kl_estimator": "k1", "value_clip": None}
     policy = trainer.start_workers(rl.PolicyWorker, cfg, base, 3, {"rl": rl_cfg}, cpus_per_actor=0.5)
