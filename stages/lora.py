@@ -1,7 +1,7 @@
 """LoRA (Hu et al. 2021): train a low-rank update of chosen linear layers, W' = W + (alpha / r) B A, with W frozen.
 
-On CPU the point is speed as much as memory: no gradient of the frozen weights and no optimizer state for them
-(SmolLM2-135M, LoRA r8 on q_proj/v_proj: 1.5x faster per training step on 2 cores, docs/benchmarks.md).
+The frozen weights need no gradient and no optimizer state: memory on a GPU, and on 2 CPU cores 1.15-1.4x per
+SmolLM2-135M training step (all linear layers vs q_proj/v_proj, rank 8: docs/benchmarks.md).
 A stage's outputs, and the weights RL sends to vLLM, are always the merged model: every later stage, vLLM and
 `from_pretrained` read a plain Hugging Face directory.
 """
