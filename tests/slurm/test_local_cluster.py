@@ -150,14 +150,19 @@ def test_scontrol_requeue_restarts_a_running_job(slurm_cluster, tmp_path):
     job_id = _sbatch(
         tmp_path, "--requeue", "--open-mode=append", "--wrap", "echo start restarts=${SLURM_RESTART_COUNT:-0}; sleep 600"
     )
+    log = tmp_path / f"slurm-{job_id}.out"
+
+    def log_text():
+        return log.read_text() if log.exists() else ""
+
     try:
-        _wait_until(lambda: _job_fields(job_id)["JobState"] == "RUNNING", 60, f"job {job_id} to run")
+        # RUNNING comes before slurmstepd has started the script: requeue only once its first line is written.
+        _wait_until(lambda: "restarts=0" in log_text(), 60, f"job {job_id} to start its script")
         _run("scontrol", "requeue", job_id)
         assert _job_fields(job_id)["Restarts"] == "1"
         # Requeued jobs wait cred_expire (20 s in local_cluster.sh) before they may start again.
         _wait_until(lambda: _job_fields(job_id)["JobState"] == "RUNNING", 90, f"job {job_id} to run again")
-        log = tmp_path / f"slurm-{job_id}.out"
-        _wait_until(lambda: "restarts=1" in log.read_text(), 30, "the restarted job's output")
+        _wait_until(lambda: "restarts=1" in log_text(), 30, "the restarted job's output")
         starts = [line for line in log.read_text().splitlines() if line.startswith("start")]
         assert starts == ["start restarts=0", "start restarts=1"]
     finally:
