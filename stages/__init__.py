@@ -1,4 +1,2 @@
-"""alignpipe stages: one module per pipeline stage (a typed config and a `run` entry) plus shared machinery.
-
-Keep this file free of heavy imports: the Snakefile imports `stages.config` to validate configs in seconds.
-"""
+"""alignpipe's stages: one module per stage of the DAG, each a typed `Config` and one entry `run(cfg, inputs,
+output, tracker)`. The machinery they share is in runtime/; submission and config checks in launcher/."""

@@ -5,7 +5,7 @@
 import dataclasses
 from pathlib import Path
 
-from stages import data, models
+from runtime import data, models
 
 USES_RAY = False
 TOKENIZER_CORPUS = ("rotten_tomatoes", 4000)  # fixed, so the tiny tokenizer does not depend on data.* keys
@@ -23,7 +23,7 @@ class Config:
         return cls(**params["model"], seed=params["seed"])
 
 
-def run(cfg: Config, inputs: dict, output: Path, run) -> None:
+def run(cfg: Config, inputs: dict, output: Path, tracker) -> None:
     print(f"[base_model] building {cfg.source}", flush=True)
     if cfg.source == "smollm2-135m-instruct":
         models.build_smollm2(output)
@@ -33,5 +33,5 @@ def run(cfg: Config, inputs: dict, output: Path, run) -> None:
         models.build_tiny(output, cfg.tiny, cfg.seed, texts)
     model = models.load_causal_lm(output)
     parameters = sum(p.numel() for p in model.parameters())
-    run.log_metrics({"parameters": parameters})
+    tracker.log_metrics({"parameters": parameters})
     print(f"[base_model] {cfg.source}: {parameters / 1e6:.1f}M parameters -> {output}", flush=True)

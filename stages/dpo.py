@@ -1,6 +1,6 @@
 """Stage `dpo`: direct preference optimisation of the SFT model against its frozen copy.
 
-Losses (stages/losses.py): `dpo` (sigmoid; with label_smoothing > 0 it is cDPO), `ipo`, `kto` (each pair
+Losses (runtime/losses.py): `dpo` (sigmoid; with label_smoothing > 0 it is cDPO), `ipo`, `kto` (each pair
 split into a desirable and an undesirable sample), `simpo` (reference-free); any of them plus an optional
 NLL term on the chosen response (nll_weight).
 
@@ -15,9 +15,10 @@ from pathlib import Path
 
 import torch
 
-from stages import data, losses, trainer
-from stages.deepspeed_strategy import DeepSpeedWorker
-from stages.models import load_causal_lm, load_tokenizer, pair_batch, response_logprobs
+from runtime import data, losses, trainer
+from runtime.deepspeed_strategy import DeepSpeedWorker, Rank
+from runtime.logprobs import pair_batch, response_logprobs
+from runtime.models import load_causal_lm, load_tokenizer
 
 USES_RAY = True
 
@@ -44,13 +45,13 @@ def sequence_logps(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class DPOWorker(DeepSpeedWorker):
-    def setup(self, args: dict) -> None:
-        self.init_distributed(args["rank"], args["rendezvous"], args["num_threads"])
-        self.tokenizer = load_tokenizer(args["model_dir"])
-        self.cfg = args["dpo"]
+    def setup(self, cfg: Config, rank: Rank) -> None:
+        self.init_distributed(rank.rank, rank.rendezvous, rank.num_threads)
+        self.tokenizer = load_tokenizer(rank.model_dir)
+        self.cfg = cfg
         # The reference is built before the engine: under ZeRO-3 every model built afterwards is partitioned.
-        self.reference = None if self.cfg["loss"] == "simpo" else load_causal_lm(args["model_dir"]).eval()
-        self.build_engine(model_loader=load_causal_lm, **args["engine"])
+        self.reference = None if cfg.loss == "simpo" else load_causal_lm(rank.model_dir).eval()
+        self.build_engine(cfg, rank, load_causal_lm)
 
     def pair_logps(self, model, rows, mismatched: bool = False):
         """(chosen, rejected) summed log-probs and lengths; `mismatched` pairs each prompt with the next
@@ -65,26 +66,26 @@ class DPOWorker(DeepSpeedWorker):
         """Loss and implicit rewards (chosen, rejected) for a batch of pairs."""
         cfg = self.cfg
         pc, pr, nc, nr = self.pair_logps(self.engine, rows)
-        if cfg["loss"] == "simpo":
-            loss, chosen, rejected = losses.simpo_loss(pc / nc, pr / nr, cfg["beta"], cfg["simpo_gamma"])
+        if cfg.loss == "simpo":
+            loss, chosen, rejected = losses.simpo_loss(pc / nc, pr / nr, cfg.beta, cfg.simpo_gamma)
         else:
             with torch.no_grad():
                 rc, rr, _, _ = self.pair_logps(self.reference, rows)
-            if cfg["loss"] == "dpo":
-                loss, chosen, rejected = losses.dpo_loss(pc, pr, rc, rr, cfg["beta"], cfg["label_smoothing"])
-            elif cfg["loss"] == "ipo":
-                loss, chosen, rejected = losses.ipo_loss(pc / nc, pr / nr, rc / nc, rr / nr, cfg["beta"])
+            if cfg.loss == "dpo":
+                loss, chosen, rejected = losses.dpo_loss(pc, pr, rc, rr, cfg.beta, cfg.label_smoothing)
+            elif cfg.loss == "ipo":
+                loss, chosen, rejected = losses.ipo_loss(pc / nc, pr / nr, rc / nc, rr / nr, cfg.beta)
             else:  # kto
                 with torch.no_grad():
                     mc, _, _, _ = self.pair_logps(self.engine, rows, mismatched=True)
                     mrc, _, _, _ = self.pair_logps(self.reference, rows, mismatched=True)
                 desirable = torch.tensor([1] * len(rows) + [0] * len(rows))
                 loss, rewards = losses.kto_loss(torch.cat([pc, pr]), torch.cat([rc, rr]), desirable,
-                                                (mc - mrc).mean(), cfg["beta"], cfg["kto_desirable_weight"],
-                                                cfg["kto_undesirable_weight"])
+                                                (mc - mrc).mean(), cfg.beta, cfg.kto_desirable_weight,
+                                                cfg.kto_undesirable_weight)
                 chosen, rejected = rewards[:len(rows)], rewards[len(rows):]
-        if cfg["nll_weight"]:
-            loss = loss + cfg["nll_weight"] * losses.sequence_nll(pc, nc)
+        if cfg.nll_weight:
+            loss = loss + cfg.nll_weight * losses.sequence_nll(pc, nc)
         return loss, chosen, rejected
 
     def loss(self, rows):
@@ -113,17 +114,14 @@ def pair_metrics(pairs: list[tuple[float, float]]) -> dict:
             "chosen_reward": statistics.fmean(c for c, _ in pairs), "rejected_reward": statistics.fmean(r for _, r in pairs)}
 
 
-def run(cfg: Config, inputs: dict, output: Path, run) -> None:
+def run(cfg: Config, inputs: dict, output: Path, tracker) -> None:
     train_rows = data.read_jsonl(inputs["data"] / "pairs_train.jsonl")
     eval_rows = data.read_jsonl(inputs["data"] / "pairs_eval.jsonl")
     total_steps = trainer.steps_for(cfg, len(train_rows), "dpo")
-    loss_keys = ("loss", "beta", "label_smoothing", "nll_weight", "simpo_gamma", "kto_desirable_weight",
-                 "kto_undesirable_weight")
-    group = trainer.start_workers(DPOWorker, cfg, inputs["model"], total_steps,
-                                  {"dpo": {k: getattr(cfg, k) for k in loss_keys}})
+    group = trainer.start_workers(DPOWorker, cfg, inputs["model"], total_steps, tracker)
     # Before training the policy is its reference, so every reference-based implicit reward is exactly 0.
     before = held_out_metrics(group, eval_rows, cfg.num_workers) if cfg.loss == "simpo" else pair_metrics([(0.0, 0.0)])
-    log = trainer.fit(group, cfg, train_rows, "dpo", run)
+    log = trainer.fit(group, cfg, train_rows, "dpo", tracker)
     after = held_out_metrics(group, eval_rows, cfg.num_workers)
     group.call("save_hf", str(output), str(inputs["model"]))
     group.shutdown()
@@ -131,7 +129,7 @@ def run(cfg: Config, inputs: dict, output: Path, run) -> None:
     summary = {"steps": len(log)} | {f"eval_{k}_before": v for k, v in before.items()} | \
               {f"eval_{k}": v for k, v in after.items()}
     (output / "metrics.json").write_text(json.dumps(summary, indent=2))
-    run.log_metrics({k: v for k, v in summary.items() if k != "steps"}, step=len(log))
-    run.log_artifact(output / "metrics.json")
+    tracker.log_metrics({k: v for k, v in summary.items() if k != "steps"}, step=len(log))
+    tracker.log_artifact(output / "metrics.json")
     print(f"[dpo] {cfg.loss}: held-out margin {before['margin']:.4f} -> {after['margin']:.4f}, "
           f"accuracy {before['accuracy']:.3f} -> {after['accuracy']:.3f}", flush=True)

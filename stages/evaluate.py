@@ -14,9 +14,10 @@ from pathlib import Path
 import ray
 import torch
 
-from stages import data, losses, rewards
-from stages.models import load_causal_lm, load_tokenizer, pad_prompt_response, response_logits
-from stages.rollout import VLLMEngine, sampling_seed
+from runtime import data, rewards
+from runtime.logprobs import pad_prompt_response, response_logits, token_logprobs
+from runtime.models import load_causal_lm, load_tokenizer
+from runtime.rollout import VLLMEngine, sampling_seed
 
 USES_RAY = True
 SCORE_BATCH = 8
@@ -63,7 +64,7 @@ class Scorer:
         for i in range(0, len(prompts), SCORE_BATCH):
             batch = pad_prompt_response(prompts[i:i + SCORE_BATCH], responses[i:i + SCORE_BATCH], self.pad_id)
             logits, labels, mask = response_logits(self.model, batch)
-            logp = losses.token_logprobs(logits, labels) * mask
+            logp = token_logprobs(logits, labels) * mask
             kl = torch.zeros_like(mask)
             if with_reference and self.reference is not self.model:
                 kl = token_kl(logits, response_logits(self.reference, batch)[0]) * mask
@@ -71,7 +72,7 @@ class Scorer:
         return out
 
 
-def run(cfg: Config, inputs: dict, output: Path, run) -> None:
+def run(cfg: Config, inputs: dict, output: Path, tracker) -> None:
     tokenizer = load_tokenizer(inputs["model"])
     rows = data.read_jsonl(inputs["data"] / "prompts_eval.jsonl")[:cfg.num_prompts]
     prompt_ids = [tokenizer(r["prompt"], add_special_tokens=False)["input_ids"] for r in rows]
@@ -115,7 +116,7 @@ def run(cfg: Config, inputs: dict, output: Path, run) -> None:
     data.write_jsonl(output / "samples.jsonl", [
         {"opening": r["opening"], "label": r["label"], "completion": t, "reward": s}
         for r, t, s in list(zip(rows, texts, scores))[:cfg.num_samples_logged]])
-    run.log_metrics(metrics)
-    run.log_artifact(output / "metrics.json")
-    run.log_artifact(output / "samples.jsonl")
+    tracker.log_metrics(metrics)
+    tracker.log_artifact(output / "metrics.json")
+    tracker.log_artifact(output / "samples.jsonl")
     print(f"[evaluate] {cfg.model}: " + ", ".join(f"{k}={v:.4g}" for k, v in metrics.items()), flush=True)

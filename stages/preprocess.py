@@ -17,7 +17,7 @@ import random
 import statistics
 from pathlib import Path
 
-from stages import data, models, rewards
+from runtime import data, models, rewards
 
 USES_RAY = False
 
@@ -163,7 +163,7 @@ def take(reviews, count, cfg, tokenizer, stats) -> list[dict]:
     return rows
 
 
-def run(cfg: Config, inputs: dict, output: Path, run) -> None:
+def run(cfg: Config, inputs: dict, output: Path, tracker) -> None:
     tokenizer = models.load_tokenizer(inputs["model"])
     reviews = data.load_reviews(cfg.source)
     random.Random(cfg.seed).shuffle(reviews)
@@ -197,7 +197,7 @@ def run(cfg: Config, inputs: dict, output: Path, run) -> None:
         summary[f"{key}_max"] = max(stats[key])
     summary["prompts_eval_positive_fraction"] = statistics.fmean(r["label"] for r in splits["prompts_eval"])
     (output / "stats.json").write_text(json.dumps(summary, indent=2))
-    run.log_metrics(summary)
-    run.log_artifact(output / "stats.json")
+    tracker.log_metrics(summary)
+    tracker.log_artifact(output / "stats.json")
     print("[preprocess] " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                                       for k, v in summary.items()), flush=True)

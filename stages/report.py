@@ -50,8 +50,8 @@ def provenance(runs: list[dict]) -> dict:
             "config_hashes": sorted({r["config_hash"] for r in runs})}
 
 
-def run(cfg: Config, inputs: dict, output: Path, run) -> None:
-    client = run.client
+def run(cfg: Config, inputs: dict, output: Path, tracker) -> None:
+    client = tracker.client
     evaluations = [tracked_run(client, d) for d in inputs["evaluations"]]
     rl_runs = [tracked_run(client, d, ("reward_mean", "kl", "policy_loss")) for d in inputs["rl"]]
     trained = [tracked_run(client, d, ("loss",)) for d in [inputs["sft"], inputs["reward_model"], *inputs["dpo"]]]
@@ -95,7 +95,7 @@ def run(cfg: Config, inputs: dict, output: Path, run) -> None:
     (output / "report.md").write_text(text)
     (output / "provenance.json").write_text(json.dumps(sources, indent=2))
     for path in sorted(output.iterdir()):
-        run.log_artifact(path)
-    run.log_metrics({"reward_model_accuracy": reward_model["metrics"]["eval_accuracy"]})
+        tracker.log_artifact(path)
+    tracker.log_metrics({"reward_model_accuracy": reward_model["metrics"]["eval_accuracy"]})
     print(f"[report] {output / 'report.md'}", flush=True)
     print(tables.markdown(eval_rows, tables.EVAL_COLUMNS), flush=True)

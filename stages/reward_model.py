@@ -11,9 +11,10 @@ from pathlib import Path
 
 import torch
 
-from stages import data, losses, trainer
-from stages.deepspeed_strategy import DeepSpeedWorker
-from stages.models import load_reward_model, load_tokenizer, pair_batch
+from runtime import data, losses, trainer
+from runtime.deepspeed_strategy import DeepSpeedWorker, Rank
+from runtime.logprobs import pair_batch
+from runtime.models import load_reward_model, load_tokenizer
 
 USES_RAY = True
 LOSSES = {"sigmoid": losses.pairwise_sigmoid_loss, "logexp": losses.pairwise_logexp_loss}
@@ -39,12 +40,11 @@ def score_pairs(model, tokenizer, rows: list[dict]) -> tuple[torch.Tensor, torch
 
 class RewardWorker(DeepSpeedWorker):
     TRAINS_HEAD = True
-    def setup(self, args: dict) -> None:
-        self.init_distributed(args["rank"], args["rendezvous"], args["num_threads"])
-        self.tokenizer = load_tokenizer(args["model_dir"])
-        self.loss_fn, self.use_margin = LOSSES[args["loss"]], args["use_margin"]
-        self.head_learning_rate = args["head_learning_rate"]
-        self.build_engine(model_loader=load_reward_model, **args["engine"])
+    def setup(self, cfg: Config, rank: Rank) -> None:
+        self.init_distributed(rank.rank, rank.rendezvous, rank.num_threads)
+        self.tokenizer = load_tokenizer(rank.model_dir)
+        self.cfg = cfg
+        self.build_engine(cfg, rank, load_reward_model)
 
     def param_groups(self, model, learning_rate):
         # The score head starts from random weights while the backbone is already trained: with one small
@@ -53,12 +53,12 @@ class RewardWorker(DeepSpeedWorker):
         head = [p for name, p in trained if name.startswith("score.")]
         body = [p for name, p in trained if not name.startswith("score.")]
         return [{"params": body, "lr": learning_rate},
-                {"params": head, "lr": self.head_learning_rate or learning_rate}]
+                {"params": head, "lr": self.cfg.head_learning_rate or learning_rate}]
 
     def loss(self, rows):
         chosen, rejected = score_pairs(self.engine, self.tokenizer, rows)
-        margin = torch.tensor([float(r.get("margin", 0.0)) for r in rows]) if self.use_margin else None
-        loss = self.loss_fn(chosen, rejected, margin)
+        margin = torch.tensor([float(r.get("margin", 0.0)) for r in rows]) if self.cfg.use_margin else None
+        loss = LOSSES[self.cfg.loss](chosen, rejected, margin)
         return loss, {"loss": loss.item(), "accuracy": (chosen > rejected).float().mean().item(),
                       "reward_margin": (chosen - rejected).mean().item()}
 
@@ -77,15 +77,13 @@ def held_out_metrics(group, rows: list, world_size: int) -> dict:
             "reward_std": statistics.pstdev(rewards), "pairs": len(pairs)}
 
 
-def run(cfg: Config, inputs: dict, output: Path, run) -> None:
+def run(cfg: Config, inputs: dict, output: Path, tracker) -> None:
     train_rows = data.read_jsonl(inputs["data"] / "pairs_train.jsonl")
     eval_rows = data.read_jsonl(inputs["data"] / "pairs_eval.jsonl")
     total_steps = trainer.steps_for(cfg, len(train_rows), "reward_model")
-    group = trainer.start_workers(RewardWorker, cfg, inputs["model"], total_steps,
-                                  {"loss": cfg.loss, "use_margin": cfg.use_margin,
-                                   "head_learning_rate": cfg.head_learning_rate})
+    group = trainer.start_workers(RewardWorker, cfg, inputs["model"], total_steps, tracker)
     before = held_out_metrics(group, eval_rows, cfg.num_workers)
-    log = trainer.fit(group, cfg, train_rows, "reward_model", run)
+    log = trainer.fit(group, cfg, train_rows, "reward_model", tracker)
     after = held_out_metrics(group, eval_rows, cfg.num_workers)
     group.call("save_hf", str(output), str(inputs["model"]))
     group.shutdown()
@@ -93,7 +91,7 @@ def run(cfg: Config, inputs: dict, output: Path, run) -> None:
     summary = {"steps": len(log), "eval_accuracy_before": before["accuracy"], "eval_accuracy": after["accuracy"],
                "reward_mean": after["reward_mean"], "reward_std": after["reward_std"], "eval_pairs": after["pairs"]}
     (output / "metrics.json").write_text(json.dumps(summary, indent=2))
-    run.log_metrics({k: v for k, v in summary.items() if k != "steps"}, step=len(log))
-    run.log_artifact(output / "metrics.json")
+    tracker.log_metrics({k: v for k, v in summary.items() if k != "steps"}, step=len(log))
+    tracker.log_artifact(output / "metrics.json")
     print(f"[reward_model] held-out accuracy {before['accuracy']:.3f} -> {after['accuracy']:.3f}, "
           f"reward mean {after['reward_mean']:.3f} std {after['reward_std']:.3f}", flush=True)

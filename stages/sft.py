@@ -9,9 +9,10 @@ from pathlib import Path
 
 import torch
 
-from stages import data, trainer
-from stages.deepspeed_strategy import DeepSpeedWorker
-from stages.models import load_causal_lm, load_tokenizer, pad_prompt_response, response_logprobs
+from runtime import data, trainer
+from runtime.deepspeed_strategy import DeepSpeedWorker, Rank
+from runtime.logprobs import pad_prompt_response, response_logprobs
+from runtime.models import load_causal_lm, load_tokenizer
 
 USES_RAY = True
 
@@ -36,10 +37,10 @@ def response_nll(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class SFTWorker(DeepSpeedWorker):
-    def setup(self, args: dict) -> None:
-        self.init_distributed(args["rank"], args["rendezvous"], args["num_threads"])
-        self.tokenizer = load_tokenizer(args["model_dir"])
-        self.build_engine(model_loader=load_causal_lm, **args["engine"])
+    def setup(self, cfg: Config, rank: Rank) -> None:
+        self.init_distributed(rank.rank, rank.rendezvous, rank.num_threads)
+        self.tokenizer = load_tokenizer(rank.model_dir)
+        self.build_engine(cfg, rank, load_causal_lm)
 
     def loss(self, rows):
         nll, tokens = response_nll(self.engine, tokenize_sft(self.tokenizer, rows))
@@ -61,21 +62,21 @@ def held_out_loss(group, rows: list, world_size: int) -> float:
     return sum(n for n, _ in results) / max(1.0, sum(t for _, t in results))
 
 
-def run(cfg: Config, inputs: dict, output: Path, run) -> None:
+def run(cfg: Config, inputs: dict, output: Path, tracker) -> None:
     train_rows = data.read_jsonl(inputs["data"] / "sft_train.jsonl")
     eval_rows = data.read_jsonl(inputs["data"] / "sft_eval.jsonl")
     total_steps = trainer.steps_for(cfg, len(train_rows), "sft")
-    group = trainer.start_workers(SFTWorker, cfg, inputs["model"], total_steps)
+    group = trainer.start_workers(SFTWorker, cfg, inputs["model"], total_steps, tracker)
     eval_before = held_out_loss(group, eval_rows, cfg.num_workers)
-    run.log_metrics({"eval_loss": eval_before}, step=0)
-    log = trainer.fit(group, cfg, train_rows, "sft", run)
+    tracker.log_metrics({"eval_loss": eval_before}, step=0)
+    log = trainer.fit(group, cfg, train_rows, "sft", tracker)
     eval_after = held_out_loss(group, eval_rows, cfg.num_workers)
-    run.log_metrics({"eval_loss": eval_after}, step=len(log))
+    tracker.log_metrics({"eval_loss": eval_after}, step=len(log))
     group.call("save_hf", str(output), str(inputs["model"]))
     group.shutdown()
     trainer.save_log(output, log)
     summary = {"steps": len(log), "final_train_loss": log[-1]["loss"], "eval_loss_before": eval_before,
                "eval_loss_after": eval_after}
     (output / "metrics.json").write_text(json.dumps(summary, indent=2))
-    run.log_artifact(output / "metrics.json")
+    tracker.log_artifact(output / "metrics.json")
     print(f"[sft] held-out loss {eval_before:.4f} -> {eval_after:.4f}; model -> {output}", flush=True)

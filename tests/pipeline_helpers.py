@@ -2,13 +2,16 @@
 module name would clash with tests/slurm/conftest.py)."""
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import yaml
 
-from stages.config import REPO_ROOT
+from launcher.config import REPO_ROOT
 
 SNAKEMAKE = str(Path(sys.executable).with_name("snakemake"))
 
@@ -21,6 +24,49 @@ def snakemake(configfile: Path, *args: str, check: bool = True) -> subprocess.Co
         raise AssertionError(f"snakemake {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout[-6000:]}\n"
                              f"{proc.stderr[-6000:]}")
     return proc
+
+
+def planned_jobs(dry_run_stdout: str) -> dict[str, int]:
+    """The 'Job stats' table of `snakemake --dry-run`: rule -> count."""
+    if "Nothing to be done" in dry_run_stdout:
+        return {}
+    table = dry_run_stdout.split("Job stats:")[1]
+    return {m.group(1): int(m.group(2)) for m in re.finditer(r"^(\w+)\s+(\d+)$", table, re.M) if m.group(1) != "total"}
+
+
+def planned_outputs(dry_run_stdout: str) -> set[str]:
+    """The output paths of the jobs a dry run plans, relative to the experiment's results."""
+    return {m.group(1).split("/results/tiny/")[-1] for m in re.finditer(r"^\s+output: (\S+)$", dry_run_stdout, re.M)}
+
+
+def dry_run_with_edited_code(configfile: Path, copy_dir: Path, edits: dict[str, tuple[str, str]]) -> str:
+    """What `snakemake all --dry-run` plans once the project's code is edited: the repository's files are copied to
+    `copy_dir`, each edit {path: (old, new)} is applied there, and the copy's Snakefile plans against this
+    checkout's working directory (its results and Snakemake's records of the runs). Returns the dry run's stdout."""
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=REPO_ROOT, capture_output=True,
+                           text=True, check=True).stdout.split()
+    for name in files:
+        if (REPO_ROOT / name).is_file():
+            (copy_dir / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO_ROOT / name, copy_dir / name)
+    for name, (old, new) in edits.items():
+        text = (copy_dir / name).read_text()
+        assert old in text, f"{name} no longer contains {old!r}: update the test's edit"
+        (copy_dir / name).write_text(text.replace(old, new, 1))
+    return snakemake(configfile, "all", "--dry-run", "--snakefile", str(copy_dir / "Snakefile")).stdout
+
+
+def wait_until(predicate, timeout: float, what: str | None = None, interval: float = 0.5):
+    """Call `predicate` until it returns something true, and return that. After `timeout` seconds: raise naming
+    `what` if given, else return its last (false) value for the caller's own assertion."""
+    deadline = time.monotonic() + timeout
+    while not (value := predicate()):
+        if time.monotonic() > deadline:
+            if what:
+                raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+            return value
+        time.sleep(interval)
+    return value
 
 
 def write_config(path: Path, results_dir: Path, **overrides) -> Path:
@@ -37,8 +83,10 @@ def submit_again(tiny_run: dict, stage_dir: Path, out_root: Path, **overrides):
     """Submit the stage that wrote `stage_dir` once more through the launcher's StageJob, with the params and
     inputs its stage.json records (the stage's own settings updated by `overrides`), writing under `out_root`
     and tracking to MLflow experiment `tiny-rerun`. Returns (submitit job, output dir, checkpoint dir)."""
-    from stages.config import load_config_files
-    from stages.launcher import StageJob, make_executor, stage_resources
+    from launcher.config import load_config_files
+    from launcher.resources import stage_resources
+    from launcher.submit import make_executor
+    from runtime.job import StageJob
     record = json.loads((stage_dir / "stage.json").read_text())
     params = record["params"]
     if overrides:

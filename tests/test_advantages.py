@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from stages.advantages import compute_advantages, discounted_returns, gae
+from runtime.advantages import compute_advantages, discounted_returns, gae
 
 GROUP_ESTIMATORS = ["reinforce_baseline", "rloo", "group_norm", "dr_grpo"]
 

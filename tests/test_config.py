@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from stages.config import REPO_ROOT, ConfigError, load_config_files, stage_code_hash, validate_config
+from launcher.config import REPO_ROOT, ConfigError, load_config_files, validate_config
 
 
 def test_defaults_fill_every_key():
@@ -62,23 +62,30 @@ def test_misspelt_key_fails_fast_through_snakemake(tmp_path):
     assert not (tmp_path / "results").exists(), "nothing may run or be written for a bad config"
 
 
-def test_code_hash_follows_imports(tmp_path, monkeypatch):
-    """A stage's cache key covers the project modules it imports, not only its own file."""
-    import stages.config as config_module
-    fake_root = tmp_path / "repo"
-    (fake_root / "stages").mkdir(parents=True)
-    for name in ("launcher.py", "__init__.py"):
-        (fake_root / "stages" / name).write_text("")
-    (fake_root / "stages" / "sft.py").write_text("from stages import helper\nfrom stages.other import thing\n")
-    (fake_root / "stages" / "helper.py").write_text("X = 1\n")
-    (fake_root / "stages" / "other.py").write_text("thing = 1\n")
-    (fake_root / "stages" / "unrelated.py").write_text("Y = 1\n")
-    monkeypatch.setattr(config_module, "REPO_ROOT", fake_root)
-    before = stage_code_hash("sft")
-    (fake_root / "stages" / "unrelated.py").write_text("Y = 2\n")
-    assert stage_code_hash("sft") == before
-    (fake_root / "stages" / "other.py").write_text("thing = 2\n")
-    after_other = stage_code_hash("sft")
-    assert after_other != before
-    (fake_root / "stages" / "helper.py").write_text("X = 2\n")
-    assert stage_code_hash("sft") != after_other
+def test_code_hash_follows_imports_and_ignores_comments(tmp_path, monkeypatch):
+    """A stage's code hash covers the project modules it imports and the in-job runner, parsed: not comments or
+    docstrings, not modules it does not import, not the launcher."""
+    import launcher.code_hash as code_hash
+    root = tmp_path / "repo"
+    files = {"stages/sft.py": '"""SFT."""\nfrom runtime import helper\nfrom runtime.other import thing\n',
+             "runtime/helper.py": "X = 1\n", "runtime/other.py": "from launcher import submit\nthing = 1\n",
+             "runtime/job.py": "RUNNER = 1\n", "runtime/unrelated.py": "Y = 1\n", "launcher/submit.py": "Z = 1\n"}
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    monkeypatch.setattr(code_hash, "REPO_ROOT", root)
+    monkeypatch.setattr(code_hash, "JOB_RUNNER", root / "runtime" / "job.py")
+    hashes = [code_hash.stage_code_hash("sft")]
+
+    def edit(name: str, text: str) -> str:
+        (root / name).write_text(text)
+        hashes.append(code_hash.stage_code_hash("sft"))
+        return hashes[-1]
+
+    assert edit("runtime/unrelated.py", "Y = 2\n") == hashes[0]
+    assert edit("launcher/submit.py", "Z = 2\n") == hashes[0]
+    assert edit("stages/sft.py", '"""SFT, said otherwise."""\n# why\nfrom runtime import helper  # the helper\n'
+                                 "from runtime.other import thing\n") == hashes[0]
+    assert edit("runtime/other.py", "from launcher import submit\nthing = 2\n") != hashes[0]
+    assert edit("runtime/helper.py", "X = 2\n") != hashes[-2]
+    assert edit("runtime/job.py", "RUNNER = 2\n") != hashes[-2]

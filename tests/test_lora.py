@@ -4,8 +4,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
 
-from stages.lora import LoRALinear, apply_lora, merged_state_dict
-from stages.models import load_causal_lm
+from runtime.lora import LoRALinear, apply_lora, merged_state_dict
+from runtime.models import load_causal_lm
 
 CONFIG = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
               tie_word_embeddings=True, pad_token_id=0)

@@ -6,7 +6,7 @@ import pytest
 from safetensors.torch import load_file
 
 from pipeline_helpers import submit_again
-from stages import data
+from runtime import data
 
 pytestmark = pytest.mark.e2e
 STEPS = 3

@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from stages.evaluate import token_kl
-from stages.losses import (aggregate, dpo_loss, entropy_from_logits, ipo_loss, kl_estimate, kto_loss,
-                           masked_mean, pairwise_logexp_loss, pairwise_sigmoid_loss, policy_loss,
-                           sequence_nll, simpo_loss, token_logprobs, value_loss)
+from runtime.logprobs import entropy_from_logits, token_logprobs
+from runtime.losses import (aggregate, dpo_loss, ipo_loss, kl_estimate, kto_loss, masked_mean, pairwise_logexp_loss,
+                           pairwise_sigmoid_loss, policy_loss, sequence_nll, simpo_loss, value_loss)
 
 
 def t(x):

@@ -3,8 +3,7 @@ logits of every position."""
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from stages.losses import token_logprobs
-from stages.models import pad_prompt_response, response_logprobs
+from runtime.logprobs import pad_prompt_response, response_logprobs, token_logprobs
 
 
 def test_response_logprobs_match_full_logits():

@@ -10,25 +10,12 @@ import pytest
 from mlflow.tracking import MlflowClient
 from PIL import Image
 
-from pipeline_helpers import snakemake, write_config
+from pipeline_helpers import dry_run_with_edited_code, planned_jobs, planned_outputs, snakemake, write_config
 
 pytestmark = pytest.mark.e2e
 RM_ACCURACY_BAR = 0.6  # measured: 0.672 on 128 held-out pairs
 DPO_MARGIN_BAR = 0.05  # measured: +0.166 and +0.162 held-out margin (seeds 0 and 1)
 RL_GAIN_BAR = 0.01  # measured, mean of seeds 0 and 1: grpo +0.040, ppo +0.034 (vowel-fraction reward, 64 samples)
-
-
-def planned_jobs(dry_run_stdout: str) -> dict[str, int]:
-    """The 'Job stats' table of `snakemake --dry-run`: rule -> count."""
-    if "Nothing to be done" in dry_run_stdout:
-        return {}
-    table = dry_run_stdout.split("Job stats:")[1]
-    return {m.group(1): int(m.group(2)) for m in re.finditer(r"^(\w+)\s+(\d+)$", table, re.M) if m.group(1) != "total"}
-
-
-def planned_outputs(dry_run_stdout: str) -> set[str]:
-    """The output paths of the jobs a dry run plans, relative to the experiment's results."""
-    return {m.group(1).split("/results/tiny/")[-1] for m in re.finditer(r"^\s+output: (\S+)$", dry_run_stdout, re.M)}
 
 
 def test_outputs_and_metrics(tiny_run):
@@ -234,6 +221,39 @@ def test_changed_parameter_plans_stage_and_dependents(tiny_run):
                                             "evaluate/grpo/seed2", "report"}, proc.stdout[-3000:]
 
 
+def test_comment_or_docstring_edit_plans_nothing(tiny_run, tmp_path):
+    """A stage's code hash is taken from the parsed code without its comments and docstrings."""
+    stdout = dry_run_with_edited_code(tiny_run["configfile"], tmp_path, {
+        "stages/sft.py": ('"""Stage `sft`: ', '"""Stage `sft` (docstring edited): '),
+        "runtime/losses.py": ("\nimport ", "\n# A comment added by a test.\nimport "),
+    })
+    assert planned_jobs(stdout) == {}, stdout[-3000:]
+
+
+def test_launcher_edit_plans_nothing(tiny_run, tmp_path):
+    """Submission, Slurm watching, resource checks and config validation do not shape a result: editing them
+    (an upgrade of the pipeline between runs of a paper) must not rerun anything."""
+    stdout = dry_run_with_edited_code(tiny_run["configfile"], tmp_path, {
+        "launcher/submit.py": ("STATE_POLL_S = 10 ", "STATE_POLL_S = 11 "),
+        "launcher/resources.py": ('raise bad("a number of GB > 0")', 'raise bad("a number of GB above 0")'),
+        "launcher/config.py": ("has the wrong type; expected", "has the wrong type; expected a value of type"),
+    })
+    assert planned_jobs(stdout) == {}, stdout[-3000:]
+
+
+def test_loss_edit_plans_its_stages_and_dependents(tiny_run, tmp_path):
+    """runtime/losses.py holds the training objectives: the reward model, DPO and RL import it; base_model,
+    preprocess, SFT and evaluation do not (they take log-probabilities from runtime/logprobs.py)."""
+    stdout = dry_run_with_edited_code(tiny_run["configfile"], tmp_path, {
+        "runtime/losses.py": ("def dpo_loss(", "EDITED = True\n\n\ndef dpo_loss("),
+    })
+    # The reward model feeds grpo and ppo (reward `model` or not, every rl run reads the trained objectives);
+    # evaluations of base and sft, and base_model, preprocess and sft themselves, stay.
+    assert planned_jobs(stdout) == {"reward_model": 1, "dpo": 2, "rl": 4, "evaluate": 4, "report": 1, "all": 1}, \
+        stdout[-3000:]
+    assert not {"evaluate/base/seed0", "evaluate/sft/seed0", "sft"} & planned_outputs(stdout)
+
+
 def test_failed_stage_reports_job_and_leaves_no_output(tmp_path):
     """A stage that fails inside its job: the terminal shows job id, log path and the error; no output."""
     configfile = write_config(tmp_path / "failing.yaml", tmp_path / "results", experiment="failing",
@@ -243,7 +263,7 @@ def test_failed_stage_reports_job_and_leaves_no_output(tmp_path):
     assert proc.returncode != 0
     match = re.search(r"stage preprocess failed: job (\d+), state \w+, log (\S+)", output)
     assert match, output[-4000:]
-    assert f"/logs/preprocess/" in match.group(2) and Path(match.group(2)).exists()
+    assert "/logs/preprocess/" in match.group(2) and Path(match.group(2)).exists()
     assert "data.num_train" in output, "the stage's own error message must reach the terminal"
     results = tmp_path / "results" / "failing"
     assert (results / "base_model" / "config.json").exists()

@@ -4,12 +4,11 @@ import json
 import random
 
 import pytest
-import yaml
 
 from pipeline_helpers import snakemake, write_config
 from stages import preprocess
-from stages.data import PreferenceDataError, read_preference_file
-from stages.models import train_tiny_tokenizer
+from runtime.data import PreferenceDataError, read_preference_file
+from runtime.models import train_tiny_tokenizer
 
 
 def write_rows(path, rows):

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from pipeline_helpers import submit_again
-from stages import data
+from runtime import data
 
 pytestmark = pytest.mark.e2e
 

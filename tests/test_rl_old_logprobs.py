@@ -6,14 +6,16 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from runtime.experience import Rollout, trains_once
+from launcher.config import stage_config
+from runtime.logprobs import response_logprobs
+from runtime.rl_actors import PolicyWorker
 from stages import rl
-from stages.models import response_logprobs
 
 
 def rl_config(**changes) -> rl.Config:
-    fields = {f.name: None for f in dataclasses.fields(rl.Config)}
-    fields |= dict(ppo_epochs=1, rollout_batch_size=8, n_samples=4, batch_size=32, kl_in_reward=False)
-    return rl.Config(**fields | changes)
+    return stage_config(rl, {"rl": dict(ppo_epochs=1, rollout_batch_size=8, n_samples=4, batch_size=32,
+                                        kl_in_reward=False) | changes})
 
 
 @pytest.mark.parametrize("changes, once", [
@@ -23,25 +25,24 @@ def rl_config(**changes) -> rl.Config:
     ({"kl_in_reward": True}, False),    # the reward's KL is computed before training, from the old log-probs
 ])
 def test_trains_once(changes, once):
-    assert rl.trains_once(rl_config(**changes)) is once
+    assert trains_once(rl_config(**changes)) is once
 
 
 def test_policy_loss_without_old_logprobs_equals_recomputed():
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                          num_attention_heads=2))
-    worker = rl.PolicyWorker()
+    worker = PolicyWorker()
     worker.engine, worker.pad_id = model, 0
-    worker.cfg = dict(clip_low=0.2, clip_high=0.2, dual_clip=None, loss_agg="token_mean", is_cap=2.0,
-                      entropy_coef=0.0, kl_in_reward=False, kl_coef=0.1, kl_estimator="k3")
-    rows = [{"prompt_ids": [5, 6, 7], "response_ids": [8, 9, 10, 11]},
-            {"prompt_ids": [5, 6], "response_ids": [12, 13]}]
-    for row, adv in zip(rows, (1.0, -1.0)):
-        n = len(row["response_ids"])
-        row |= {"advantages": [adv] * n, "ref_logp": [-4.0] * n, "rollout_logp": [-4.1] * n}
+    worker.cfg = rl_config(clip_low=0.2, clip_high=0.2, dual_clip=None, loss_agg="token_mean", is_cap=2.0,
+                           entropy_coef=0.0, kl_in_reward=False, kl_coef=0.1, kl_estimator="k3")
+    response_ids = [[8, 9, 10, 11], [12, 13]]
+    per_token = lambda value: [[value] * len(r) for r in response_ids]
+    rows = Rollout.of([[5, 6, 7], [5, 6]], response_ids, advantages=[[1.0] * 4, [-1.0] * 2],
+                      ref_logp=per_token(-4.0), rollout_logp=per_token(-4.1))
     with torch.no_grad():
-        logp, mask = response_logprobs(model, rl.sample_batch(rows, 0))
-    recomputed = [dict(r, old_logp=o) for r, o in zip(rows, rl.per_row(logp, mask))]
+        logp, mask = response_logprobs(model, rows.tokens(0))
+    recomputed = dataclasses.replace(rows, old_logp=rows.from_batch(logp, mask))
 
     loss_without, stats_without = worker.loss(rows)
     loss_without.backward()

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from stages import data
+from runtime import data
 from pipeline_helpers import signal_job_tasks, submit_again
 
 pytestmark = pytest.mark.e2e

@@ -9,8 +9,13 @@ import pytest
 import ray
 import torch
 
-from stages import data, models, rl, trainer
-from stages.rollout import VLLMEngine
+from runtime import checkpoints, data, models, trainer
+from runtime.experience import Rollout
+from runtime.rl_actors import PolicyWorker
+from runtime.rollout import VLLMEngine
+from launcher.config import stage_config
+from stage_helpers import Tracker
+from stages import rl
 
 pytestmark = pytest.mark.e2e
 
@@ -35,13 +40,14 @@ def tiny_base(tmp_path):
 
 def start_policy(base, zero_stage: int, lora_rank: int, batch_size: int):
     """One PolicyWorker rank (lr 2e-2, so a step visibly changes the model), LoRA on every linear layer if lora_rank."""
-    cfg = trainer.TrainerConfig(zero_stage=zero_stage, num_workers=1, epochs=1, batch_size=batch_size,
-                                micro_batch_size=batch_size, learning_rate=2e-2, weight_decay=0.0, warmup_steps=0,
-                                max_grad_norm=1.0, checkpoint_every=0, lora_rank=lora_rank, lora_alpha=2 * lora_rank,
-                                lora_targets=list(models.LLAMA_LINEAR_LAYERS), seed=0)
-    rl_cfg = {"clip_low": 0.2, "clip_high": 0.2, "dual_clip": None, "loss_agg": "token_mean", "is_cap": None,
-              "entropy_coef": 0.0, "kl_in_reward": True, "kl_coef": 0.0, "kl_estimator": "k1", "value_clip": None}
-    return trainer.start_workers(rl.PolicyWorker, cfg, base, 3, {"rl": rl_cfg}, cpus_per_actor=0.5)
+    lora = {"lora_rank": lora_rank, "lora_alpha": 2 * lora_rank, "lora_targets": list(models.LLAMA_LINEAR_LAYERS)}
+    cfg = stage_config(rl, {"rl": {"zero_stage": zero_stage, "num_workers": 1, "epochs": 1, "batch_size": batch_size,
+                            "micro_batch_size": batch_size, "learning_rate": 2e-2, "weight_decay": 0.0,
+                            "warmup_steps": 0, "max_grad_norm": 1.0, "checkpoint_every": 0,
+                            **(lora if lora_rank else {}), "clip_low": 0.2, "clip_high": 0.2, "dual_clip": None,
+                            "loss_agg": "token_mean", "is_cap": None, "entropy_coef": 0.0, "kl_in_reward": True,
+                            "kl_coef": 0.0, "kl_estimator": "k1", "value_clip": None}})
+    return trainer.start_workers(PolicyWorker, cfg, base, 3, Tracker(), cpus_per_actor=0.5)
 
 
 def hf_greedy(model_dir, prompt_ids: list[list[int]], new_tokens: int) -> list[list[int]]:
@@ -59,12 +65,12 @@ def test_vllm_matches_trainer_after_each_sync(tmp_path, local_ray, zero_stage, l
     policy = start_policy(base, zero_stage, lora_rank, batch_size=8)
     engine = ray.remote(num_cpus=0.5)(VLLMEngine).remote(str(base), 0, 64)
 
-    def sample(seed: int) -> list[dict]:
+    def sample(seed: int) -> Rollout:
         outputs = ray.get(engine.generate.remote(prompt_ids, 4, 1.0, 1.0, 8, seed))
-        rows = [{"prompt_ids": p, "response_ids": s["token_ids"], "rollout_logp": s["logprobs"]}
-                for p, samples in zip(prompt_ids, outputs) for s in samples]
-        for row, logp in zip(rows, policy.call_per_rank("logprobs", [rows])[0]):
-            row["old_logp"] = logp
+        samples = [(p, s) for p, out in zip(prompt_ids, outputs) for s in out]
+        rows = Rollout.of([p for p, _ in samples], [s["token_ids"] for _, s in samples],
+                          rollout_logp=[s["logprobs"] for _, s in samples])
+        rows.old_logp = policy.call_per_rank("logprobs", [rows])[0]
         return rows
 
     greedy = lambda: [s[0]["token_ids"] for s in ray.get(engine.generate.remote(prompt_ids, 1, 0.0, 1.0, 8, 0))]
@@ -72,10 +78,11 @@ def test_vllm_matches_trainer_after_each_sync(tmp_path, local_ray, zero_stage, l
     assert first == hf_greedy(base, prompt_ids, 8)
     for step in range(3):
         rows = sample(seed=100 * step)
-        gap = statistics.fmean(abs(a - b) for r in rows for a, b in zip(r["old_logp"], r["rollout_logp"]))
+        tokens = rows.mask.bool()
+        gap = statistics.fmean(abs(a - b) for a, b in zip(rows.old_logp[tokens].tolist(),
+                                                          rows.rollout_logp[tokens].tolist()))
         assert gap < 1e-4, f"step {step}: vLLM samples from other weights than the trainer's (gap {gap:.4f})"
-        for row in rows:
-            row["advantages"] = [1.0 if i % 2 else -1.0 for i in range(len(row["response_ids"]))]
+        rows.advantages = torch.tensor([1.0 if i % 2 else -1.0 for i in range(rows.mask.shape[1])]) * rows.mask
         policy.call_per_rank("train_step", [[rows]])
         synced = tmp_path / f"synced{step}"
         policy.call("save_hf", str(synced), str(base))
@@ -100,24 +107,25 @@ def test_seeded_batch_larger_than_one_prefill_step(tmp_path, local_ray):
 
 
 def test_lora_checkpoint_resumes_exactly(tmp_path, local_ray):
-    """A LoRA trainer restarted from a checkpoint (adapters, frozen weights, optimizer state) takes the same next
-    step as the trainer that saved it."""
+    """A LoRA trainer restarted from a checkpoint (adapters, frozen weights, optimizer state; saved and loaded as the
+    stages do) takes the same next step as the trainer that saved it."""
     base, _ = tiny_base(tmp_path)
     tokenizer = models.load_tokenizer(base)
     prompt_ids = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in ("a gripping film", "so bad", "the plot")]
-    rows = [{"prompt_ids": p, "response_ids": p[::-1], "old_logp": [0.0] * len(p), "advantages": [1.0] * len(p)}
-            for p in prompt_ids + prompt_ids[:1]]
+    prompt_ids = prompt_ids + prompt_ids[:1]
+    rows = Rollout.of(prompt_ids, [p[::-1] for p in prompt_ids], old_logp=[[0.0] * len(p) for p in prompt_ids],
+                      advantages=[[1.0] * len(p) for p in prompt_ids])
     saved = start_policy(base, 2, 4, batch_size=4)
     saved.call_per_rank("train_step", [[rows]])
-    saved.call("save_checkpoint", str(tmp_path / "ckpt"), "step1")
+    checkpoints.save(tmp_path / "ckpt", 1, {"policy": saved}, {}, keep=1)
     after_one = saved.call_per_rank("logprobs", [rows])[0]
     saved.call_per_rank("train_step", [[rows]])
     straight = saved.call_per_rank("logprobs", [rows])[0]
     saved.shutdown()
     resumed = start_policy(base, 2, 4, batch_size=4)
-    resumed.call("load_checkpoint", str(tmp_path / "ckpt"), "step1")
-    assert resumed.call_per_rank("logprobs", [rows])[0] == after_one
+    checkpoints.resume(tmp_path / "ckpt", {"policy": resumed}, "policy")
+    assert torch.equal(resumed.call_per_rank("logprobs", [rows])[0], after_one)
     resumed.call_per_rank("train_step", [[rows]])
-    assert resumed.call_per_rank("logprobs", [rows])[0] == straight
-    assert straight != after_one, "the second step should have changed the policy"
+    assert torch.equal(resumed.call_per_rank("logprobs", [rows])[0], straight)
+    assert not torch.equal(straight, after_one), "the second step should have changed the policy"
     resumed.shutdown()

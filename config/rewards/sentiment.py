@@ -2,7 +2,7 @@
 
 Use it with `rl.reward: config/rewards/sentiment.py` to run RL without the reward-model stage.
 """
-from stages.rewards import sentiment
+from runtime.rewards import sentiment
 
 
 def reward_fn(prompts: list[str], completions: list[str], labels: list) -> list[float]:

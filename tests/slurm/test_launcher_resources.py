@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from stages.config import REPO_ROOT, validate_config
-from stages.launcher import LaunchConfigError, check_fits, sbatch_flags, stage_resources
-from stages.ray_cluster import base_port, node_addresses, ray_start_command
+from launcher.config import REPO_ROOT, validate_config
+from launcher.resources import LaunchConfigError, check_fits, sbatch_flags, stage_resources
+from runtime.ray_cluster import base_port, node_addresses, ray_start_command
 
 
 def launcher(**overrides) -> dict:
@@ -73,7 +73,7 @@ def test_training_workers_must_fit_the_job():
 
 
 def test_schema_rejects_unknown_stage_and_bad_values():
-    from stages.config import ConfigError
+    from launcher.config import ConfigError
     with pytest.raises(ConfigError, match=r"unknown key launcher.stages.stf; valid keys here: .*sft"):
         validate_config({"launcher": {"stages": {"stf": {"nodes": 2}}}})
     with pytest.raises(ConfigError, match=r"launcher.stages.sft.gpus_per_node = -1 is out of range"):

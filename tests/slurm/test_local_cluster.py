@@ -8,6 +8,8 @@ import pytest
 import submitit
 from submitit.core.utils import UncompletedJobError
 
+from pipeline_helpers import wait_until
+
 pytestmark = pytest.mark.slurm
 
 
@@ -23,17 +25,6 @@ def _job_fields(job_id: str) -> dict[str, str]:
         key, _, value = word.partition("=")
         fields[key] = value
     return fields
-
-
-def _wait_until(predicate, timeout: float, what: str, interval: float = 0.5):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(interval)
 
 
 def _sbatch(tmp_path, *args: str) -> str:
@@ -128,7 +119,7 @@ def test_sacct_lists_the_finished_job(slurm_cluster, tmp_path):
         return seen[-1] == expected
 
     try:
-        _wait_until(state, 60, f"sacct to list job {job_id}")
+        wait_until(state, 60, f"sacct to list job {job_id}")
     except AssertionError:
         raise AssertionError(f"sacct never showed {expected!r}; last: {seen[-1:]}") from None
 
@@ -138,9 +129,9 @@ def test_cancelled_submitit_job_raises_uncompleted(slurm_cluster, tmp_path):
     executor.update_parameters(slurm_partition=slurm_cluster["partition"], timeout_min=10, cpus_per_task=1, mem_gb=1)
     job = executor.submit(time.sleep, 600)
     # force: submitit otherwise backs off its sacct polls (2, 4, 8, ... s after submission)
-    _wait_until(lambda: job.get_info(mode="force").get("State") == "RUNNING", 60, f"job {job.job_id} to run")
+    wait_until(lambda: job.get_info(mode="force").get("State") == "RUNNING", 60, f"job {job.job_id} to run")
     job.cancel(check=True)
-    _wait_until(lambda: job.done(force_check=True), 120, f"job {job.job_id} to be seen as finished")
+    wait_until(lambda: job.done(force_check=True), 120, f"job {job.job_id} to be seen as finished")
     assert job.state.startswith("CANCELLED")
     with pytest.raises(UncompletedJobError):
         job.result()
@@ -157,12 +148,12 @@ def test_scontrol_requeue_restarts_a_running_job(slurm_cluster, tmp_path):
 
     try:
         # RUNNING comes before slurmstepd has started the script: requeue only once its first line is written.
-        _wait_until(lambda: "restarts=0" in log_text(), 60, f"job {job_id} to start its script")
+        wait_until(lambda: "restarts=0" in log_text(), 60, f"job {job_id} to start its script")
         _run("scontrol", "requeue", job_id)
         assert _job_fields(job_id)["Restarts"] == "1"
         # Requeued jobs wait cred_expire (20 s in local_cluster.sh) before they may start again.
-        _wait_until(lambda: _job_fields(job_id)["JobState"] == "RUNNING", 90, f"job {job_id} to run again")
-        _wait_until(lambda: "restarts=1" in log_text(), 30, "the restarted job's output")
+        wait_until(lambda: _job_fields(job_id)["JobState"] == "RUNNING", 90, f"job {job_id} to run again")
+        wait_until(lambda: "restarts=1" in log_text(), 30, "the restarted job's output")
         starts = [line for line in log.read_text().splitlines() if line.startswith("start")]
         assert starts == ["start restarts=0", "start restarts=1"]
     finally:
@@ -173,9 +164,9 @@ def test_high_partition_preempts_and_requeues_a_debug_job(slurm_cluster, tmp_pat
     low = _sbatch(tmp_path, "-p", slurm_cluster["partition"], "-N2", "--exclusive", "--requeue", "--wrap", "sleep 600")
     high = None
     try:
-        _wait_until(lambda: _job_fields(low)["JobState"] == "RUNNING", 60, f"job {low} to run")
+        wait_until(lambda: _job_fields(low)["JobState"] == "RUNNING", 60, f"job {low} to run")
         high = _sbatch(tmp_path, "-p", slurm_cluster["preempt_partition"], "-N1", "--wrap", "sleep 600")
-        _wait_until(lambda: _job_fields(high)["JobState"] == "RUNNING", 60, f"preempting job {high} to run")
+        wait_until(lambda: _job_fields(high)["JobState"] == "RUNNING", 60, f"preempting job {high} to run")
         low_fields = _job_fields(low)
         assert low_fields["Restarts"] == "1"
         assert low_fields["JobState"] in {"PENDING", "REQUEUED", "COMPLETING"}

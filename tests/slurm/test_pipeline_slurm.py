@@ -16,7 +16,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -24,11 +23,11 @@ import pytest
 import submitit
 import yaml
 
-from stages.config import REPO_ROOT, ConfigError, validate_config
+from launcher.config import REPO_ROOT, ConfigError, validate_config
+from pipeline_helpers import SNAKEMAKE, planned_jobs, wait_until
 
 pytestmark = [pytest.mark.slurm, pytest.mark.e2e]
 
-SNAKEMAKE = str(Path(sys.executable).with_name("snakemake"))
 SFT_EPOCHS, CHECKPOINT_EVERY = 40, 25           # 64 rows / batch 8 = 8 steps per epoch
 SFT_STEPS = 8 * SFT_EPOCHS
 SUBMITTED = re.compile(r"\[alignpipe\] (?P<run>[\w/]+): job (?P<id>\d+) submitted \(.*?\), log (?P<log>\S+)")
@@ -137,13 +136,6 @@ def ray_processes(job_id: str) -> list[str]:
             if f"/tmp/ray-{job_id}-" in cmdline:
                 found.append(f"{proc.name}: {cmdline[:200]}")
     return found
-
-
-def wait_until(predicate, timeout: float, interval: float = 1.0):
-    deadline = time.time() + timeout
-    while not (value := predicate()) and time.time() < deadline:
-        time.sleep(interval)
-    return value
 
 
 @pytest.fixture(scope="module")
@@ -326,15 +318,12 @@ def test_preempted_stage_is_requeued_by_slurm_and_resumes_from_its_last_checkpoi
     assert run["ray_left"] == [], f"Ray processes of the finished job are still running: {run['ray_left']}"
 
 
-def planned_jobs(configfile: Path, *extra: str) -> dict[str, int]:
+def slurm_plan(configfile: Path, *extra: str) -> dict[str, int]:
     """What `snakemake --profile slurm all --dry-run` would run: rule -> count."""
     proc = subprocess.run([SNAKEMAKE, "--profile", "slurm", "all", "--configfile", str(configfile), "--dry-run", *extra],
                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    if "Nothing to be done" in proc.stdout:
-        return {}
-    table = proc.stdout.split("Job stats:")[1]
-    return {m[1]: int(m[2]) for m in re.finditer(r"^(\w+)\s+(\d+)$", table, re.M) if m[1] != "total"}
+    return planned_jobs(proc.stdout)
 
 
 def test_where_a_stage_runs_is_not_part_of_its_cache_key(scenario):
@@ -344,8 +333,8 @@ def test_where_a_stage_runs_is_not_part_of_its_cache_key(scenario):
     config["launcher"] = {"mem_gb": 2, "timeout_min": 60, "partition": "debug", "stages": {"sft": {"nodes": 1}}}
     changed = scenario["root"] / "changed-launcher.yaml"
     changed.write_text(yaml.safe_dump(config))
-    same = planned_jobs(scenario["configfile"])
-    assert planned_jobs(changed, "--set-resources", "sft:cpus_per_node=1", "report:cluster=local") == same
+    same = slurm_plan(scenario["configfile"])
+    assert slurm_plan(changed, "--set-resources", "sft:cpus_per_node=1", "report:cluster=local") == same
 
 
 def test_impossible_request_fails_before_anything_is_queued(slurm_cluster, tmp_path):

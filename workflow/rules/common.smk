@@ -1,10 +1,13 @@
 # Config validation, result paths and the launch command shared by every rule.
 import json
+import shlex
 import sys
+from pathlib import PurePosixPath
 
 sys.path.insert(0, workflow.basedir)
-from stages.config import ConfigError, method_seeds, rl_variant, seeded_models, stage_code_hash, validate_config
-from stages.data import PreferenceDataError, read_preference_file
+from launcher.code_hash import stage_code_hash
+from launcher.config import ConfigError, method_seeds, rl_variant, seeded_models, validate_config
+from runtime.data import PreferenceDataError, read_preference_file
 
 try:
     _sources = [str(f) for f in workflow.configfiles] + (["--config"] if workflow.config_settings.config else [])
@@ -22,10 +25,10 @@ RESULTS = f"{config['results_dir']}/{config['experiment']}"
 # The grid: every method (dpo, each rl variant) runs once per seed; the shared stages run once, with `seed`.
 SEEDS = method_seeds(config)
 SEEDED_MODELS = seeded_models(config)
+RL_VARIANTS = list(config["rl"]["variants"])
 # How stages are submitted and tracked: passed to the launcher, never part of a stage's cache key.
-RUN_CONTEXT = json.dumps({key: config[key] for key in ("experiment", "results_dir", "launcher", "tracking")})
-PYTHON = sys.executable
-LAUNCH = "{PYTHON} -m stages.launcher {params.stage:q} {params.inputs:q} {output:q} --context {RUN_CONTEXT:q}"
+RUN_CONTEXT = {key: config[key] for key in ("experiment", "results_dir", "launcher", "tracking")}
+LAUNCH = "{params.launch} {params.stage:q} {params.job_io:q} {output:q} --log {log:q}"
 
 
 def stage_key(stage, *keys, derive=None):
@@ -42,7 +45,7 @@ def stage_key(stage, *keys, derive=None):
         return json.dumps({
             "stage": stage,
             # e.g. evaluate/sft/seed0, rl/grpo/seed1: the path of the output under the experiment's results
-            "run_name": "/".join([stage, *(f"seed{v}" if k == "seed" else v for k, v in wildcards.items())]),
+            "run_name": str(PurePosixPath(stage, *(f"seed{v}" if k == "seed" else v for k, v in wildcards.items()))),
             "config": selected | wild,
             "code": code,
         }, sort_keys=True)
@@ -50,9 +53,36 @@ def stage_key(stage, *keys, derive=None):
     return key
 
 
-def named_inputs(wildcards, input, resources):
-    """A rule's `inputs` param, for the launcher: its named inputs, and the Snakemake resources of the job (what
-    a profile's default-resources / set-resources give it: where and how big the job runs), as JSON. Computed
-    from input and resources, so Snakemake's params trigger ignores it: where a stage runs never reruns it."""
+# The two params below are functions of `resources`, which Snakemake's params trigger leaves out (it counts them as
+# derived, like those computed from `input`): where and how a stage runs, or where the venv lies, never reruns it.
+def job_io(wildcards, input, resources):
+    """A rule's `job_io` param, for the launcher, as JSON: its named inputs, the Snakemake resources of the job (what
+    a profile's default-resources / set-resources give it: where and how big the job runs) and how to submit and
+    track it (experiment, results_dir, launcher, tracking)."""
     return json.dumps({"inputs": dict(input.items()),
-                       "resources": {k: v for k, v in resources.items() if not k.startswith("_")}})
+                       "resources": {k: v for k, v in resources.items() if not k.startswith("_")},
+                       "context": RUN_CONTEXT})
+
+
+def launch(wildcards, resources):
+    """The launcher, run by the Python that runs this Snakemake (the project's pinned venv)."""
+    return f"{shlex.quote(sys.executable)} -m launcher"
+
+
+# Which files a rule reads, for the rules that pick them by wildcard.
+def rl_reward_inputs(wildcards):
+    reward = rl_variant(config, wildcards.variant)["reward"]
+    return {"reward_model": rules.reward_model.output[0]} if reward == "model" else {"reward_file": reward}
+
+
+def model_dir(wildcards):
+    if wildcards.model in SEEDED_MODELS:
+        return f"{RESULTS}/dpo/seed{wildcards.seed}" if wildcards.model == "dpo" else \
+            f"{RESULTS}/rl/{wildcards.model}/seed{wildcards.seed}"
+    return {"base": rules.base_model.output[0], "sft": rules.sft.output[0]}[wildcards.model]
+
+
+def evaluated_runs():
+    """(model, seed) of every evaluation the report shows, in the order of evaluate.models."""
+    return [(model, seed) for model in config["evaluate"]["models"]
+            for seed in (SEEDS if model in SEEDED_MODELS else [config["seed"]])]

@@ -7,8 +7,11 @@ rule dpo:
         directory(f"{RESULTS}/dpo/seed{{seed}}"),
     wildcard_constraints:
         seed=r"\d+",
+    log:
+        f"{RESULTS}/logs/dpo-seed{{seed}}.log",
     params:
         stage=stage_key("dpo", "dpo"),
-        inputs=named_inputs,
+        job_io=job_io,
+        launch=launch,
     shell:
         LAUNCH

@@ -4,8 +4,11 @@ rule preprocess:
         preference_files=[f for f in (config["data"]["preference_train_file"], config["data"]["preference_eval_file"]) if f],
     output:
         directory(f"{RESULTS}/preprocess"),
+    log:
+        f"{RESULTS}/logs/preprocess.log",
     params:
         stage=stage_key("preprocess", "data", "seed"),
-        inputs=named_inputs,
+        job_io=job_io,
+        launch=launch,
     shell:
         LAUNCH

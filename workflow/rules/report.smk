@@ -10,8 +10,11 @@ rule report:
     output:
         report(directory(f"{RESULTS}/report"), patterns=["{name}.png", "{name}.csv"],
                caption="../report/results.rst", category="Results"),
+    log:
+        f"{RESULTS}/logs/report.log",
     params:
         stage=stage_key("report", "evaluate"),
-        inputs=named_inputs,
+        job_io=job_io,
+        launch=launch,
     shell:
         LAUNCH

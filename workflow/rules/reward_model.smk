@@ -4,8 +4,11 @@ rule reward_model:
         data=rules.preprocess.output[0],
     output:
         directory(f"{RESULTS}/reward_model"),
+    log:
+        f"{RESULTS}/logs/reward_model.log",
     params:
         stage=stage_key("reward_model", "reward_model", "seed"),
-        inputs=named_inputs,
+        job_io=job_io,
+        launch=launch,
     shell:
         LAUNCH

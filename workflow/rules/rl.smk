@@ -1,13 +1,5 @@
 # One run per entry of rl.variants (e.g. grpo, ppo) and seed of the grid (`seeds`); a variant's cache key is
 # its own merged settings, so changing one variant reruns only that variant's runs and what depends on them.
-RL_VARIANTS = list(config["rl"]["variants"])
-
-
-def rl_reward_inputs(wildcards):
-    reward = rl_variant(config, wildcards.variant)["reward"]
-    return {"reward_model": rules.reward_model.output[0]} if reward == "model" else {"reward_file": reward}
-
-
 rule rl:
     input:
         unpack(rl_reward_inputs),
@@ -18,8 +10,11 @@ rule rl:
     wildcard_constraints:
         variant="|".join(RL_VARIANTS),
         seed=r"\d+",
+    log:
+        f"{RESULTS}/logs/rl-{{variant}}-seed{{seed}}.log",
     params:
         stage=stage_key("rl", derive=lambda wc: {"rl": rl_variant(config, wc.variant)}),
-        inputs=named_inputs,
+        job_io=job_io,
+        launch=launch,
     shell:
         LAUNCH

@@ -4,8 +4,11 @@ rule sft:
         data=rules.preprocess.output[0],
     output:
         directory(f"{RESULTS}/sft"),
+    log:
+        f"{RESULTS}/logs/sft.log",
     params:
         stage=stage_key("sft", "sft", "seed"),
-        inputs=named_inputs,
+        job_io=job_io,
+        launch=launch,
     shell:
         LAUNCH

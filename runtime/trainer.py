@@ -5,18 +5,16 @@ micro-batches, logs per-step metrics to MLflow with a progress line, and exports
 The per-stage part is the worker class (its `loss`) and the evaluation function.
 """
 import dataclasses
-import json
-import os
 import random
-import shutil
 import statistics
 from pathlib import Path
 
 import ray
 
-from stages import data
-from stages.actor_group import ActorGroup
-from stages.progress import Progress
+from runtime import checkpoints, data
+from runtime.actor_group import ActorGroup
+from runtime.deepspeed_strategy import Rank
+from runtime.progress import Progress
 
 
 @dataclasses.dataclass
@@ -32,6 +30,7 @@ class TrainerConfig:
     warmup_steps: int
     max_grad_norm: float
     checkpoint_every: int
+    keep_checkpoints: int
     lora_rank: int
     lora_alpha: float
     lora_targets: list[str]
@@ -45,19 +44,15 @@ def shard(rows: list, world_size: int, micro_batch_size: int) -> list[list[list]
             for r in range(world_size)]
 
 
-def start_workers(worker_cls, cfg: TrainerConfig, model_dir: Path, total_steps: int, extra: dict | None = None,
-                  cpus_per_actor: float = 1):
-    """An ActorGroup of `worker_cls` ranks, each with its DeepSpeed engine built."""
-    grad_accum = cfg.batch_size // (cfg.micro_batch_size * cfg.num_workers)
+def start_workers(worker_cls, cfg: TrainerConfig, model_dir: Path, total_steps: int, tracker,
+                  cpus_per_actor: float = 1) -> ActorGroup:
+    """An ActorGroup of `worker_cls` ranks, each set up with the stage's Config `cfg` and its DeepSpeed engine
+    built; where they run goes to `tracker`."""
     threads = max(1, int(ray.cluster_resources().get("CPU", 1)) // cfg.num_workers)
     group = ActorGroup(worker_cls, cfg.num_workers, cpus_per_actor=cpus_per_actor)
-    engine = dict(model_dir=str(model_dir), zero_stage=cfg.zero_stage, micro_batch_size=cfg.micro_batch_size,
-                  grad_accum=grad_accum, learning_rate=cfg.learning_rate, weight_decay=cfg.weight_decay,
-                  warmup_steps=cfg.warmup_steps, total_steps=total_steps, max_grad_norm=cfg.max_grad_norm,
-                  seed=cfg.seed, lora_rank=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_targets=cfg.lora_targets)
-    group.call_per_rank("setup", [{"rank": r, "rendezvous": group.rendezvous, "num_threads": threads,
-                                   "model_dir": str(model_dir), "engine": engine, **(extra or {})}
-                                  for r in range(cfg.num_workers)])
+    tracker.record_placements(group.placements)
+    ray.get([actor.setup.remote(cfg, Rank(r, group.rendezvous, threads, str(model_dir), total_steps))
+             for r, actor in enumerate(group.actors)])
     print(f"[{worker_cls.__name__}] {cfg.num_workers} ZeRO-{cfg.zero_stage} ranks x {threads} threads, "
           f"{total_steps} steps of {cfg.batch_size}", flush=True)
     return group
@@ -67,12 +62,17 @@ def fit(group, cfg: TrainerConfig, rows: list, name: str, run) -> list[dict]:
     """Train for cfg.epochs over `rows` (shuffled per epoch by cfg.seed); returns the per-step log.
 
     Every cfg.checkpoint_every steps all ranks save a checkpoint into run.checkpoint_dir (when the launcher
-    provides one), and a later start resumes from the latest: the data order is replayed from the seed, so
-    the resumed run sees exactly the batches the uninterrupted run would have, none twice."""
+    provides one; runtime/checkpoints.py keeps the newest cfg.keep_checkpoints), and a later start resumes from
+    the latest: the data order is replayed from the seed, so the resumed run sees exactly the batches the
+    uninterrupted run would have, none twice."""
     steps_per_epoch = len(rows) // cfg.batch_size
     total = steps_per_epoch * cfg.epochs
     ckpt_dir = getattr(run, "checkpoint_dir", None) if cfg.checkpoint_every else None
-    log, step = resume(group, ckpt_dir, name, run)
+    log, step = [], 0
+    if resumed := checkpoints.resume(ckpt_dir, {"model": group}, name):
+        step, state = resumed
+        log = state["log"]
+        run.log_metrics({"resumed_from_step": step}, step=step)
     progress = Progress(name, total)
     rng = random.Random(cfg.seed)
     for epoch in range(cfg.epochs):
@@ -89,33 +89,8 @@ def fit(group, cfg: TrainerConfig, rows: list, name: str, run) -> list[dict]:
             log.append({"step": step, **metrics, "rows": [r.get("id", i) for i, r in enumerate(batch)]})
             progress.update(step, **{k: v for k, v in metrics.items() if k not in ("epoch", "tokens")})
             if ckpt_dir and step % cfg.checkpoint_every == 0 and step < total:
-                save_checkpoint(group, ckpt_dir, step, log)
+                checkpoints.save(ckpt_dir, step, {"model": group}, {"log": log}, cfg.keep_checkpoints)
     return log
-
-
-def save_checkpoint(group, ckpt_dir: Path, step: int, log: list[dict]) -> None:
-    tag = f"step{step}"
-    group.call("save_checkpoint", str(ckpt_dir), tag)
-    (ckpt_dir / tag / "train_log.json").write_text(json.dumps(log))
-    latest = ckpt_dir / "latest.json"
-    (ckpt_dir / "latest.json.tmp").write_text(json.dumps({"step": step, "tag": tag}))
-    os.replace(ckpt_dir / "latest.json.tmp", latest)  # the checkpoint counts only once this rename happened
-    for old in ckpt_dir.glob("step*"):
-        if old.name != tag:
-            shutil.rmtree(old, ignore_errors=True)
-    print(f"[checkpoint] step {step} -> {ckpt_dir / tag}", flush=True)
-
-
-def resume(group, ckpt_dir: Path | None, name: str, run) -> tuple[list[dict], int]:
-    """(log so far, step) from the latest checkpoint in ckpt_dir, or ([], 0)."""
-    if ckpt_dir is None or not (ckpt_dir / "latest.json").exists():
-        return [], 0
-    latest = json.loads((ckpt_dir / "latest.json").read_text())
-    group.call("load_checkpoint", str(ckpt_dir), latest["tag"])
-    log = json.loads((ckpt_dir / latest["tag"] / "train_log.json").read_text())
-    print(f"[{name}] resumed from checkpoint at step {latest['step']}", flush=True)
-    run.log_metrics({"resumed_from_step": latest["step"]}, step=latest["step"])
-    return log, latest["step"]
 
 
 def steps_for(cfg: TrainerConfig, num_rows: int, what: str) -> int:

@@ -42,25 +42,8 @@ def aggregate(loss: Tensor, mask: Tensor, mode: str = "token_mean") -> Tensor:
 
 
 # ---------------------------------------------------------------------------------------------
-# Token log-probabilities and per-token statistics
+# Per-token statistics
 # ---------------------------------------------------------------------------------------------
-
-def token_logprobs(logits: Tensor, labels: Tensor) -> Tensor:
-    """log p(label) per position: logits (B, T, V), labels (B, T) -> (B, T), in float32."""
-    # float32: a log-softmax in bf16 loses the small differences that ratios and KL depend on.
-    # gather minus logsumexp avoids keeping a full (B, T, V) log-softmax around.
-    logits = logits.float()
-    picked = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
-    return picked - torch.logsumexp(logits, dim=-1)
-
-
-def entropy_from_logits(logits: Tensor) -> Tensor:
-    """Entropy of the next-token distribution: logits (B, T, V) -> (B, T)."""
-    logits = logits.float()
-    probs = torch.softmax(logits, dim=-1)
-    # H = -sum p log p = logsumexp(z) - sum p z
-    return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(-1)
-
 
 def kl_estimate(logp: Tensor, ref_logp: Tensor, kind: str = "k3") -> Tensor:
     """Per-token estimate of KL(pi || pi_ref) from samples of pi (Schulman, "Approximating KL divergence", 2020).

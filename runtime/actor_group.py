@@ -3,7 +3,7 @@
 The driver calls a method on every rank at once and gets the per-rank results back in rank order; rank 0's
 node address becomes the torch.distributed rendezvous for the group. The ranks are placed with a placement
 group (SPREAD: across the job's nodes when there are several) and each rank reports the node it runs on:
-`placements` here, PLACEMENTS for the launcher (stage.json and MLflow tags), and a line in the log.
+`placements`, which the stage hands to its tracker (stage.json and MLflow tags), and a line in the log.
 """
 import os
 import socket
@@ -13,8 +13,6 @@ from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 PLACEMENT_TIMEOUT_S = 300
-# Every rank of every group created in this process: {"group", "rank", "hostname", "ip", "pid"}.
-PLACEMENTS: list[dict] = []
 
 
 def _where(self) -> dict:
@@ -49,7 +47,6 @@ class ActorGroup:
         ]
         self.placements = [{"group": actor_cls.__name__, "rank": rank, **where}
                            for rank, where in enumerate(self.call("actor_group_where"))]
-        PLACEMENTS.extend(self.placements)
         print(f"[ray] {actor_cls.__name__}: " + ", ".join(f"rank {p['rank']} on {p['hostname']} ({p['ip']})"
                                                          for p in self.placements), flush=True)
         master_addr, master_port = ray.get(self.actors[0].rendezvous_address.remote())

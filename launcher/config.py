@@ -1,8 +1,7 @@
-"""Experiment config: validation against workflow/schemas/config.schema.yaml, defaults, and cache keys.
+"""Experiment config: validation against workflow/schemas/config.schema.yaml, defaults, and the config hash.
 
 Imported by the Snakefile, so it must stay light (no torch, no ray).
 """
-import ast
 import copy
 import hashlib
 import json
@@ -11,7 +10,7 @@ from pathlib import Path
 import jsonschema
 import yaml
 
-from stages.models import LLAMA_LINEAR_LAYERS
+from runtime.models import LLAMA_LINEAR_LAYERS
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SCHEMA_PATH = REPO_ROOT / "workflow" / "schemas" / "config.schema.yaml"
@@ -141,6 +140,20 @@ def load_config_files(paths, overrides: dict | None = None) -> dict:
     return validate_config(deep_merge(merged, overrides or {}), source=", ".join(map(str, paths)) or "config")
 
 
+def stage_config(module, overrides: dict, block: str | None = None, variant: str = "grpo"):
+    """`module.Config` of a stage built outside its job (tests, benches) as its job builds it: `overrides`
+    validated and filled with the schema's defaults, then the params its rule gives the job (the stage's config
+    block, `block`, by default the stage's name; for `rl` the variant's merged settings and its name; the seed).
+    So a key added to a stage reaches every caller with its default."""
+    config = validate_config(overrides, source="overrides")
+    block = block or module.__name__.rsplit(".", 1)[-1]
+    if block == "rl":
+        params = {"rl": rl_variant(config, variant), "variant": variant, "seed": config["seed"]}
+    else:
+        params = {block: config[block], "seed": config["seed"]}
+    return module.Config.from_params(params)
+
+
 def deep_merge(base: dict, update: dict) -> dict:
     out = copy.deepcopy(base)
     for key, value in update.items():
@@ -148,48 +161,11 @@ def deep_merge(base: dict, update: dict) -> dict:
     return out
 
 
+def results_root(config: dict) -> Path:
+    """The results directory (`results_dir`, relative to the repository root unless absolute)."""
+    root = Path(config["results_dir"])
+    return (root if root.is_absolute() else REPO_ROOT / root).resolve()
+
+
 def config_hash(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def _local_imports(path: Path) -> set[Path]:
-    """Modules of the stages/ and reports/ packages that `path` imports directly."""
-    found = set()
-    tree = ast.parse(path.read_text())
-    for node in ast.walk(tree):
-        names = []
-        if isinstance(node, ast.Import):
-            names = [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:  # relative import inside the same package
-                base = f"{path.parent.name}.{base}" if base else path.parent.name
-            names = [base] + [f"{base}.{a.name}" for a in node.names]
-        for name in names:
-            parts = name.split(".")
-            if parts[0] not in ("stages", "reports"):
-                continue
-            candidate = REPO_ROOT.joinpath(*parts)
-            for file in (candidate.with_suffix(".py"), candidate / "__init__.py"):
-                if file.is_file():
-                    found.add(file)
-    return found
-
-
-def stage_code_hash(stage: str) -> str:
-    """Hash of a stage's module and every project module it reaches through imports.
-
-    Snakemake's code trigger sees only the rule's own text, not imported modules; this goes into the rule's
-    params so that editing e.g. stages/sft.py or the shared stages/models.py reruns the stage."""
-    todo = [REPO_ROOT / "stages" / f"{stage}.py", REPO_ROOT / "stages" / "launcher.py"]
-    seen: set[Path] = set()
-    while todo:
-        file = todo.pop()
-        if file in seen:
-            continue
-        seen.add(file)
-        todo.extend(_local_imports(file) - seen)
-    digest = hashlib.sha256()
-    for file in sorted(seen):
-        digest.update(str(file.relative_to(REPO_ROOT)).encode() + b"\0" + file.read_bytes())
-    return digest.hexdigest()[:16]

@@ -1,0 +1,104 @@
+"""What the benches share: the job environment, the base model (built by the base_model stage's own code), the
+tracker stand-in and the results file; stage configs come from launcher.config.stage_config. Each bench's `--tiny` mode swaps SmolLM2-135M-Instruct for the schema's tiny random Llama (model.tiny, with
+its trained tokenizer) so that tests/test_benches.py can run every bench's code path for one step in seconds.
+"""
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from launcher.config import stage_config  # noqa: E402  (needs REPO on sys.path)
+from runtime.job import JOB_ENV  # noqa: E402
+
+os.environ.update(JOB_ENV)  # what every stage's job and Ray worker runs with: offline hub, in-process vLLM, ...
+SIDES = ("alignpipe", "trl")
+
+
+class StepTimer:
+    """Stands in for a stage's MLflow run (runtime/tracking.py, StageRun): records when each step's metrics
+    arrive (`times`, from `start()`) and where the actors ran; no checkpoints."""
+    checkpoint_dir = None
+
+    def __init__(self):
+        self.placements: list[dict] = []
+        self.start()
+
+    def start(self) -> None:
+        self.times = [time.perf_counter()]
+
+    def record_placements(self, placements: list[dict]) -> None:
+        self.placements.extend(placements)
+
+    def log_metrics(self, metrics: dict, step: int | None = None) -> None:
+        self.times.append(time.perf_counter())
+
+    def log_artifact(self, path) -> None:
+        pass
+
+    def step_seconds(self) -> list[float]:
+        return [b - a for a, b in zip(self.times, self.times[1:])]
+
+
+def default_model(tiny: bool) -> Path:
+    return REPO / "results" / "bench" / ("tiny" if tiny else "smollm2-135m-instruct")
+
+
+def base_model(model_dir: Path, tiny: bool) -> Path:
+    """The bench's base model in `model_dir`, built once by the base_model stage (SmolLM2-135M-Instruct, or with
+    `tiny` the schema's model.tiny: a random Llama with a BPE tokenizer trained on reviews)."""
+    if (model_dir / "config.json").exists():
+        return model_dir
+    from stages import base_model as stage
+    cfg = stage_config(stage, {"seed": 0, "model": {"source": "tiny" if tiny else "smollm2-135m-instruct"}}, "model")
+    partial = model_dir.with_name(model_dir.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    stage.run(cfg, {}, partial, StepTimer())
+    partial.rename(model_dir)
+    print(f"[bench] base model {cfg.source} -> {model_dir}", flush=True)
+    return model_dir
+
+
+def add_common_args(parser, name: str, steps: int, warmup: int) -> None:
+    """--model, --steps, --warmup, --tiny, --sides, --out: the options every throughput bench has."""
+    parser.add_argument("--model", type=Path, help="base model directory (built there if missing; default "
+                        "results/bench/smollm2-135m-instruct, with --tiny results/bench/tiny)")
+    parser.add_argument("--steps", type=int, default=steps)
+    parser.add_argument("--warmup", type=int, help=f"first steps left out of the steady-state figures "
+                        f"(default {warmup}, at most --steps - 1)")
+    parser.add_argument("--tiny", action="store_true", help="the schema's tiny random model instead of SmolLM2: "
+                        "checks the bench's code path (tests/test_benches.py), measures nothing")
+    parser.add_argument("--sides", default=",".join(SIDES),
+                        help="comma-separated sides to run (alignpipe,trl); `alignpipe` alone needs no TRL")
+    parser.add_argument("--out", type=Path, help=f"results file (default bench/results/{name}.json; with --tiny "
+                        f"results/bench/tiny/{name}.json, so a tiny run never overwrites a real run's results)")
+    parser.add_argument("--only", choices=SIDES, help="internal: run one side in this process, print its step times")
+    parser.set_defaults(bench_name=name, default_warmup=warmup)
+
+
+def finish_args(parser, args) -> None:
+    """Fill in the defaults that depend on other options, and check them."""
+    if args.steps < 1:
+        parser.error("--steps must be >= 1")
+    if args.warmup is None:
+        args.warmup = min(args.default_warmup, args.steps - 1)
+    if not 0 <= args.warmup < args.steps:
+        parser.error(f"--warmup {args.warmup} must be in [0, --steps) = [0, {args.steps})")
+    args.sides = [s for s in args.sides.split(",") if s]
+    if not args.sides or set(args.sides) - set(SIDES):
+        parser.error(f"--sides {','.join(args.sides)}: choose from {','.join(SIDES)}")
+    args.model = args.model or default_model(args.tiny)
+    if args.out is None:
+        args.out = REPO / ("results/bench/tiny" if args.tiny else "bench/results") / f"{args.bench_name}.json"
+
+
+def write_results(path: Path, results: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(results, indent=2))
+    print(f"results -> {path}", flush=True)

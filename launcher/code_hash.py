@@ -1,0 +1,69 @@
+"""A stage's code hash: the part of its cache key that says which code produced its output.
+
+Snakemake's code trigger sees only a rule's own text, not the modules behind it, so each rule's params carry
+this hash. It covers exactly the code that can change a stage's output: the stage's module, every project
+module it reaches through imports (stages/, runtime/, reports/), and the in-job runner (runtime/job.py, which
+seeds, builds the config and publishes the output). It leaves out what only decides where and how a job runs
+or is watched: submission, Slurm states, resource checks, config validation (launcher/), and the runner's own
+imports (the Ray bring-up, MLflow tracking). Files are hashed as their parsed syntax tree without docstrings,
+so editing a comment or a docstring reruns nothing. (A new Python version may parse differently: it then
+reruns every stage, as a new interpreter may well change results.)
+"""
+import ast
+import hashlib
+from pathlib import Path
+
+from launcher.config import REPO_ROOT
+
+HASHED_PACKAGES = ("stages", "runtime", "reports")
+JOB_RUNNER = REPO_ROOT / "runtime" / "job.py"
+
+
+def _imports(path: Path, tree: ast.Module) -> set[Path]:
+    """Project modules (of HASHED_PACKAGES) that the module at `path` imports directly."""
+    found = set()
+    for node in ast.walk(tree):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative import inside the same package
+                base = f"{path.parent.name}.{base}" if base else path.parent.name
+            names = [base] + [f"{base}.{a.name}" for a in node.names]
+        for name in names:
+            parts = name.split(".")
+            if parts[0] not in HASHED_PACKAGES:
+                continue
+            candidate = REPO_ROOT.joinpath(*parts)
+            for file in (candidate.with_suffix(".py"), candidate / "__init__.py"):
+                if file.is_file():
+                    found.add(file)
+    return found
+
+
+def _without_docstrings(tree: ast.Module) -> ast.Module:
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+                node.body = node.body[1:] or [ast.Pass()]
+    return tree
+
+
+def stage_code_hash(stage: str) -> str:
+    """Hash of stages/<stage>.py, the project modules it reaches through imports, and the in-job runner."""
+    trees: dict[Path, ast.Module] = {}
+    todo = [REPO_ROOT / "stages" / f"{stage}.py"]
+    while todo:
+        file = todo.pop()
+        if file in trees:
+            continue
+        trees[file] = ast.parse(file.read_text(), filename=str(file))
+        todo.extend(_imports(file, trees[file]) - trees.keys())
+    trees.setdefault(JOB_RUNNER, ast.parse(JOB_RUNNER.read_text(), filename=str(JOB_RUNNER)))
+    digest = hashlib.sha256()
+    for file in sorted(trees):
+        code = ast.dump(_without_docstrings(trees[file]))
+        digest.update(str(file.relative_to(REPO_ROOT)).encode() + b"\0" + code.encode() + b"\0")
+    return digest.hexdigest()[:16]

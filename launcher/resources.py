@@ -1,0 +1,177 @@
+"""Where a stage's job runs and how big it is, and the checks of that request before anything is queued.
+
+A stage's resources come from the config's `launcher` block, its `launcher.stages.<stage>` entry, then the
+Snakemake resources a profile gives the rule (`stage_resources`); each value is checked and the error names
+where it came from. On Slurm, `check_slurm` asks `sbatch --test-only` whether the job would be accepted.
+"""
+import math
+import shlex
+import shutil
+import subprocess
+
+# Where a stage's job runs and how big it is. The same names work in the config (`launcher.<key>`,
+# `launcher.stages.<stage>.<key>`) and as Snakemake resources in a profile (`default-resources`,
+# `set-resources: {<rule>: {<key>: ...}}`). Precedence, lowest first: launcher.<key>,
+# launcher.stages.<stage>.<key>, the profile's resources.
+RESOURCE_KEYS = ("cluster", "nodes", "gpus_per_node", "cpus_per_node", "mem_gb", "timeout_min", "partition",
+                 "account", "sbatch_extra")
+CLUSTERS = ("local", "slurm")
+# Resource names of Snakemake's own Slurm executor plugin: easy to write by habit, but not read here.
+FOREIGN_RESOURCES = {"slurm_partition": "partition", "slurm_account": "account", "slurm_extra": "sbatch_extra",
+                     "runtime": "timeout_min", "cpus_per_task": "cpus_per_node", "gpu": "gpus_per_node",
+                     "gpus": "gpus_per_node", "gres": "gpus_per_node or sbatch_extra", "tasks": "nodes",
+                     "mem_mb_per_cpu": "mem_gb", "constraint": "sbatch_extra", "qos": "sbatch_extra"}
+# sbatch options that the launcher sets itself; sbatch_extra must not contradict them.
+OWN_SBATCH_OPTIONS = {"nodes": "nodes", "ntasks": "nodes", "ntasks-per-node": "nodes", "cpus-per-task": "cpus_per_node",
+                      "mem": "mem_gb", "mem-per-cpu": "mem_gb", "time": "timeout_min", "partition": "partition",
+                      "account": "account", "gpus-per-node": "gpus_per_node", "gpus": "gpus_per_node",
+                      "output": None, "error": None, "job-name": None, "signal": None, "open-mode": None,
+                      "wrap": None, "array": None}
+
+
+class LaunchConfigError(ValueError):
+    """A resource request that cannot work; raised before anything is queued."""
+
+
+def _coerce(key: str, value, source: str):
+    """A resource value as the launcher uses it; LaunchConfigError naming `source` if it is not valid."""
+    def bad(expected: str):
+        return LaunchConfigError(f"{source} = {value!r} is not valid: expected {expected}")
+
+    if key == "cluster":
+        if value not in CLUSTERS:
+            raise bad(f"one of {list(CLUSTERS)}")
+        return value
+    if key in ("partition", "account"):
+        if value is None or (isinstance(value, str) and value.strip().lower() in ("", "none", "null")):
+            return None
+        if not isinstance(value, str) or any(c.isspace() for c in value):
+            raise bad("a name without spaces")
+        return value
+    if key == "sbatch_extra":
+        if value is None:
+            return ""
+        if not isinstance(value, str):
+            raise bad('a string of sbatch options, e.g. "--qos=high --constraint=a100"')
+        return value
+    if key == "mem_gb":
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            raise bad("a number of GB") from None
+        if isinstance(value, bool) or not math.isfinite(number) or number <= 0:
+            raise bad("a number of GB > 0")
+        return number
+    minimum = {"nodes": 1, "cpus_per_node": 1, "timeout_min": 1, "gpus_per_node": 0}[key]
+    try:
+        number = int(value) if not isinstance(value, bool) and float(value) == int(float(value)) else None
+    except (TypeError, ValueError):
+        number = None
+    if number is None or number < minimum:
+        raise bad(f"a whole number >= {minimum}")
+    return number
+
+
+def parse_sbatch_extra(text: str, source: str) -> dict:
+    """'--qos=high --exclusive' -> {"qos": "high", "exclusive": True} (submitit's additional parameters)."""
+    options = {}
+    try:
+        words = shlex.split(text or "")
+    except ValueError as err:
+        raise LaunchConfigError(f"{source} = {text!r} is not valid: {err}") from None
+    for word in words:
+        if not word.startswith("--") or len(word) < 3:
+            raise LaunchConfigError(f"{source} = {text!r}: {word!r} is not a long sbatch option; write each as "
+                                    f"--name=value or --flag (e.g. --qos=high --exclusive)")
+        name, has_value, value = word[2:].partition("=")
+        if name in OWN_SBATCH_OPTIONS:
+            instead = OWN_SBATCH_OPTIONS[name]
+            raise LaunchConfigError(f"{source}: --{name} is set by the launcher"
+                                    + (f"; use the resource `{instead}` instead" if instead else ""))
+        options[name] = value if has_value else True
+    return options
+
+
+def stage_resources(stage: str, launcher: dict, profile: dict | None = None) -> tuple[dict, dict]:
+    """(resources, where each came from) for one stage: the config's launcher block, overridden by its
+    `launcher.stages.<stage>` entry, overridden by the Snakemake resources that the profile gave the rule."""
+    resources, sources = {}, {}
+    for key in RESOURCE_KEYS:
+        resources[key], sources[key] = launcher[key], f"launcher.{key}"
+    for key, value in (launcher.get("stages") or {}).get(stage, {}).items():
+        resources[key], sources[key] = value, f"launcher.stages.{stage}.{key}"
+    for key, value in (profile or {}).items():
+        if key in FOREIGN_RESOURCES:
+            raise LaunchConfigError(f"Snakemake resource `{key}` of rule {stage} is not read by alignpipe's "
+                                    f"launcher; use `{FOREIGN_RESOURCES[key]}` (README, 'Cluster use')")
+        if key in RESOURCE_KEYS:
+            resources[key], sources[key] = value, f"Snakemake resource `{key}` of rule {stage} (profile)"
+    for key in RESOURCE_KEYS:
+        resources[key] = _coerce(key, resources[key], sources[key])
+    resources["sbatch_options"] = parse_sbatch_extra(resources["sbatch_extra"], sources["sbatch_extra"])
+    resources["ray_port"] = launcher["ray_port"]
+    if resources["cluster"] == "local" and resources["nodes"] > 1:
+        raise LaunchConfigError(f"{sources['nodes']} = {resources['nodes']}, but the local executor runs a job on "
+                                f"this machine only (1 node): submit to Slurm (snakemake --profile slurm) or "
+                                f"set it to 1")
+    return resources, sources
+
+
+def check_fits(stage: str, params: dict, resources: dict, sources: dict) -> None:
+    """A training stage's Ray actors (1 CPU each) must fit the job, or Ray would wait for them forever.
+    (A stage whose roles share the job's cores, `colocate: true`, places them itself.)"""
+    block = params.get(stage) if isinstance(params.get(stage), dict) else {}
+    workers = block.get("num_workers")
+    capacity = resources["nodes"] * resources["cpus_per_node"]
+    if isinstance(workers, int) and workers > capacity and not block.get("colocate"):
+        raise LaunchConfigError(
+            f"{stage}.num_workers = {workers} Ray actors (1 CPU each) do not fit the stage's job: "
+            f"{resources['nodes']} node(s) ({sources['nodes']}) x {resources['cpus_per_node']} CPUs "
+            f"({sources['cpus_per_node']}) = {capacity}; raise those or lower {stage}.num_workers")
+
+
+def describe(resources: dict) -> str:
+    text = (f"{resources['nodes']} node(s) x {resources['cpus_per_node']} CPUs, {resources['mem_gb']:g} GB, "
+            f"{resources['gpus_per_node']} GPU(s) per node, {resources['timeout_min']} min")
+    if resources["cluster"] == "slurm":
+        text += f", partition {resources['partition'] or '(default)'}, account {resources['account'] or '(default)'}"
+        if resources["sbatch_extra"]:
+            text += f", sbatch {resources['sbatch_extra']}"
+    return text
+
+
+def _slurm_mem(mem_gb: float) -> str:
+    return f"{int(mem_gb)}GB" if mem_gb == int(mem_gb) else f"{int(mem_gb * 1024)}MB"  # as submitit writes it
+
+
+def sbatch_flags(resources: dict) -> list[str]:
+    """The sbatch options of a stage's job (what submitit writes into its script, minus paths and signal)."""
+    flags = [f"--nodes={resources['nodes']}", "--ntasks-per-node=1", f"--cpus-per-task={resources['cpus_per_node']}",
+             f"--mem={_slurm_mem(resources['mem_gb'])}", f"--time={resources['timeout_min']}", "--requeue"]
+    if resources["gpus_per_node"]:
+        flags.append(f"--gpus-per-node={resources['gpus_per_node']}")
+    if resources["partition"]:
+        flags.append(f"--partition={resources['partition']}")
+    if resources["account"]:
+        flags.append(f"--account={resources['account']}")
+    flags += [f"--{k}" if v is True else f"--{k}={v}" for k, v in resources["sbatch_options"].items()]
+    return flags
+
+
+def check_slurm(run_name: str, resources: dict, sources: dict) -> None:
+    """Ask Slurm whether it would accept the job (`sbatch --test-only`: nothing is queued)."""
+    if shutil.which("sbatch") is None:
+        raise LaunchConfigError(f"{sources['cluster']} = slurm, but there is no `sbatch` on this machine's PATH")
+    cmd = ["sbatch", "--test-only", *sbatch_flags(resources), f"--job-name=alignpipe-{run_name.split('/')[0]}",
+           "--output=/dev/null", "--wrap=true"]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        raise LaunchConfigError("`sbatch --test-only` did not answer within 60 s: is slurmctld reachable?") from None
+    if proc.returncode != 0:
+        said = " ".join(line.strip() for line in (proc.stderr + proc.stdout).splitlines() if line.strip())
+        origin = "; ".join(f"{k} from {sources[k]}" for k in RESOURCE_KEYS if k != "cluster")
+        raise LaunchConfigError(f"Slurm would not accept the job of stage {run_name} ({describe(resources)}): "
+                                f"{said}\n  where the values come from: {origin}")
+
+

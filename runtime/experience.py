@@ -1,0 +1,147 @@
+"""RL experience: the rollout record, and making it (sample with vLLM, then score, log-probs, values, KL and
+advantages) for one step of the rl stage."""
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from typing import TYPE_CHECKING
+
+import ray
+import torch
+
+from runtime import losses
+from runtime.advantages import compute_advantages
+from runtime.logprobs import pad_prompt_response
+
+if TYPE_CHECKING:
+    from runtime.rl_actors import Roles
+
+
+def pad_rows(rows: list[list[float]], width: int) -> torch.Tensor:
+    """Per-row value lists, zero-padded on the right to `width`: (B, width) float32."""
+    return torch.tensor([r + [0.0] * (width - len(r)) for r in rows], dtype=torch.float32)
+
+
+@dataclasses.dataclass(slots=True)
+class Rollout:
+    """One step's samples, one row per response; the n_samples responses to a prompt are contiguous rows.
+
+    Every tensor is (B, T) float32, T the step's longest response, response-aligned: row i's value for its
+    response token t at [i, t] for t < len(response_ids[i]) (where mask is 1), 0 after. The fields after
+    rollout_logp stay None until make_experience fills them."""
+    prompt_ids: list[list[int]]
+    response_ids: list[list[int]]
+    mask: torch.Tensor
+    prompts: list[str] | None = None  # text and labels, for a reward_fn
+    completions: list[str] | None = None
+    labels: list | None = None
+    rollout_logp: torch.Tensor | None = None  # vLLM's log-probs of the sampled tokens
+    ref_logp: torch.Tensor | None = None
+    old_logp: torch.Tensor | None = None  # the policy's before this step's training; None when trains_once
+    old_values: torch.Tensor | None = None  # the critic's (gae only)
+    advantages: torch.Tensor | None = None
+    returns: torch.Tensor | None = None  # the critic's targets
+
+    @classmethod
+    def of(cls, prompt_ids: list[list[int]], response_ids: list[list[int]], *, prompts=None, completions=None,
+           labels=None, **per_token: list[list[float]]) -> Rollout:
+        """A record from token lists, with any per-token fields (e.g. rollout_logp) given as per-row lists."""
+        width = max(map(len, response_ids))
+        mask = pad_rows([[1.0] * len(r) for r in response_ids], width)
+        return cls(prompt_ids, response_ids, mask, prompts, completions, labels,
+                   **{key: pad_rows(rows, width) for key, rows in per_token.items()})
+
+    def __len__(self) -> int:
+        return len(self.response_ids)
+
+    def __getitem__(self, index: slice | list[int]) -> Rollout:
+        """The rows at `index`, a slice or a list of row numbers (in that order); T stays the same."""
+        def take(value):
+            if value is None:
+                return None
+            if isinstance(value, torch.Tensor) or isinstance(index, slice):
+                return value[index]
+            return [value[i] for i in index]
+        return Rollout(*(take(getattr(self, f.name)) for f in dataclasses.fields(self)))
+
+    def tokens(self, pad_id: int) -> dict:
+        """The right-padded prompt+response batch a model forward takes (logprobs.pad_prompt_response)."""
+        return pad_prompt_response(self.prompt_ids, self.response_ids, pad_id)
+
+    def to_batch(self, values: torch.Tensor, batch_mask: torch.Tensor) -> torch.Tensor:
+        """Response-aligned (B, T) values laid into the response positions (batch_mask 1) of a model batch (B, K)."""
+        out = torch.zeros(batch_mask.shape, dtype=torch.float32)
+        out[batch_mask.bool()] = values[self.mask.bool()]
+        return out
+
+    def from_batch(self, values: torch.Tensor, batch_mask: torch.Tensor) -> torch.Tensor:
+        """A model batch's per-token values (B, K) at its response positions, response-aligned (B, T)."""
+        out = torch.zeros(self.mask.shape, dtype=torch.float32)
+        out[self.mask.bool()] = values[batch_mask.bool()].float()
+        return out
+
+
+def generate(roles: Roles, prompts: list[dict], n: int, cfg, seed: int, temperature: float) -> Rollout:
+    outputs = ray.get(roles.engine.generate.remote([p["prompt_ids"] for p in prompts], n, temperature, cfg.top_p,
+                                                   cfg.max_new_tokens, seed))
+    samples = [(prompt, s) for prompt, out in zip(prompts, outputs) for s in out]
+    responses = [s["token_ids"] or [0] for _, s in samples]  # an empty response still needs one position to score
+    return Rollout.of([p["prompt_ids"] for p, _ in samples], responses, prompts=[p["prompt"] for p, _ in samples],
+                      completions=[s["text"] for _, s in samples], labels=[p.get("label") for p, _ in samples],
+                      rollout_logp=[(s["logprobs"] or [0.0])[:len(r)] for (_, s), r in zip(samples, responses)])
+
+
+def score(roles: Roles, rollout: Rollout) -> list[float]:
+    if roles.reward_model is not None:
+        return ray.get(roles.reward_model.scores.remote(rollout))
+    return [float(s) for s in roles.reward_fn(rollout.prompts, rollout.completions, rollout.labels)]
+
+
+def trains_once(cfg) -> bool:
+    """Is each rollout trained on in one optimizer step, by the weights that sampled it? Then the policy's old
+    log-probs are the training forward's own, detached (as in TRL's GRPO with num_iterations=1), and need no pass
+    of their own. (The KL in the reward is computed before training, so it still needs them.)"""
+    return cfg.ppo_epochs == 1 and cfg.batch_size == cfg.rollout_batch_size * cfg.n_samples and not cfg.kl_in_reward
+
+
+def split_call(group, method: str, rollout: Rollout) -> torch.Tensor:
+    """Call `method` on the ranks of `group` with contiguous shares of the rows; their (b, T) results in row order."""
+    size = -(-len(rollout) // len(group.actors))
+    return torch.cat(group.call_per_rank(method, [rollout[i * size:(i + 1) * size] for i in range(len(group.actors))]))
+
+
+def make_experience(roles: Roles, cfg, rollout: Rollout, kl_coef: float, reward_stats: dict) -> dict:
+    """Fill the rollout's log-probs, values, advantages and returns; the step's experience metrics."""
+    raw = score(roles, rollout)
+    scores = torch.tensor(raw)
+    if cfg.normalize_reward:
+        scores = (scores - reward_stats["mean"]) / max(reward_stats["std"], 1e-6)
+    if cfg.reward_clip:
+        scores = scores.clamp(-cfg.reward_clip, cfg.reward_clip)
+    rollout.ref_logp = ray.get(roles.reference.logprobs.remote(rollout))
+    once = trains_once(cfg)
+    if not once:
+        rollout.old_logp = split_call(roles.policy, "logprobs", rollout)
+    sampled = rollout.rollout_logp if once else rollout.old_logp  # vLLM's log-probs come from the same weights
+    mask = rollout.mask
+    kl = losses.kl_estimate(sampled, rollout.ref_logp, cfg.kl_estimator) * mask
+    token_rewards = torch.zeros_like(mask)
+    last = mask.sum(-1).long() - 1
+    token_rewards[torch.arange(len(rollout)), last] = scores
+    if cfg.kl_in_reward:
+        token_rewards = token_rewards - kl_coef * kl
+    if roles.critic is not None:
+        rollout.old_values = split_call(roles.critic, "values", rollout)
+    advantages, returns = compute_advantages(cfg.estimator, token_rewards, mask, cfg.n_samples, rollout.old_values,
+                                             cfg.gamma, cfg.lam)
+    padding = ~mask.bool()
+    rollout.advantages = advantages.float().masked_fill(padding, 0.0)
+    rollout.returns = returns.float().masked_fill(padding, 0.0)
+    lengths = mask.sum(-1)
+    metrics = {"reward_mean": statistics.fmean(raw), "reward_std": statistics.pstdev(raw),
+               "kl": (kl.sum(-1)).mean().item(), "response_length": lengths.mean().item(),
+               "advantage_mean": losses.masked_mean(advantages, mask).item(),
+               "advantage_std": advantages[mask.bool()].std().item() if mask.sum() > 1 else 0.0}
+    if not once:  # how far vLLM's sampling log-probs are from the trainer's: near 0 when the weight sync works
+        metrics["vllm_logprob_gap"] = losses.masked_mean((rollout.old_logp - rollout.rollout_logp).abs(), mask).item()
+    return metrics

@@ -1,0 +1,134 @@
+"""What runs inside a stage's job: `StageJob`, pickled by the launcher and called by submitit on the job's nodes.
+
+A stage that declares `USES_RAY = True` gets a Ray cluster across the job's nodes (runtime/ray_cluster.py) and
+its driver runs on task 0. The stage writes into `<output>.partial`, renamed into place only when it succeeds,
+so a failed or killed job leaves nothing Snakemake takes as done. Its resumable state lives in
+`checkpoint_dir` (kept across requeues and failures, removed once the stage succeeds).
+
+This module is part of every stage's code hash (launcher/code_hash.py): what it does shapes every output.
+"""
+import contextlib
+import dataclasses
+import importlib
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+
+import submitit
+
+from launcher.config import config_hash
+from runtime import checkpoints
+
+# Set for every job and Ray worker: no hub downloads, quiet tokenizers, vLLM in-process on CPU.
+JOB_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "RAY_AUTH_MODE": "disabled",
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "RAY_enable_metrics_collection": "0",
+    "VLLM_LOGGING_LEVEL": "WARNING",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_NO_USAGE_STATS": "1",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "PYTHONUNBUFFERED": "1",
+    # Ray's native handler prints ~1000 lines of unsymbolised stack frames when Slurm stops a job (SIGTERM on
+    # cancel, requeue, preemption), burying the log's useful end.
+    "RAY_DISABLE_FAILURE_SIGNAL_HANDLER": "1",
+}
+
+
+@dataclasses.dataclass
+class StageJob(submitit.helpers.Checkpointable):
+    """What runs inside the submitit job (pickled to it). Checkpointable: on a timeout or preemption signal,
+    submitit calls `checkpoint`, which resubmits this same StageJob, and requeues the job."""
+    stage: str
+    run_name: str
+    params: dict           # the stage's cache key config: the only config the stage may read
+    inputs: dict
+    output: str
+    experiment: str
+    tracking_uri: str
+    resources: dict        # launcher.resources.stage_resources(): cluster, nodes, cpus/gpus per node, ray_port, ...
+    checkpoint_dir: str
+
+    def __call__(self):
+        os.environ.update(JOB_ENV)
+        module = importlib.import_module(f"stages.{self.stage}")
+        if not getattr(module, "USES_RAY", False):
+            return self.run_driver(module)
+        from runtime.ray_cluster import ray_cluster
+        env = submitit.JobEnvironment()
+        with ray_cluster(env, self.resources) as node:
+            if node.is_driver:
+                return self.run_driver(module, ray_nodes=node.nodes)
+
+    def checkpoint(self, *args, **kwargs) -> submitit.helpers.DelayedSubmission:
+        """Called by submitit on a timeout or preemption signal, before it requeues the job: the requeued job
+        runs this same StageJob, and the stage resumes from what it saved in `checkpoint_dir`."""
+        print(f"[alignpipe] {self.run_name}: interrupted (timeout or preemption); requeueing; the stage resumes "
+              f"from its last checkpoint in {self.checkpoint_dir}", flush=True)
+        return super().checkpoint(*args, **kwargs)
+
+    def run_driver(self, module, ray_nodes: list | None = None):
+        from runtime import tracking
+        output = Path(self.output)
+        partial = output.with_name(output.name + ".partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+        ckpt = Path(self.checkpoint_dir)
+        ckpt.mkdir(parents=True, exist_ok=True)
+        seed = self.params.get("seed", 0)
+        random.seed(seed)
+        cfg = module.Config.from_params(self.params)
+        try:
+            with tracking.stage_run(self.tracking_uri, self.experiment, self.run_name, self.params) as tracker:
+                tracker.checkpoint_dir = ckpt  # persistent across requeues; removed below once the stage succeeded
+                module.run(cfg, {k: _paths(v) for k, v in self.inputs.items()}, partial, tracker)
+                job = job_record(self.resources, ray_nodes, tracker.placements)
+                _tag_run(tracker, job)
+                (partial / "stage.json").write_text(json.dumps(
+                    {"stage": self.stage, "params": self.params, "config_hash": config_hash(self.params),
+                     "inputs": self.inputs, "mlflow_run_id": tracker.run_id, "job": job}, indent=2))
+        except BaseException:
+            shutil.rmtree(partial, ignore_errors=True)
+            checkpoints.remove_if_empty(ckpt)  # kept if the stage saved one: its rerun (or requeue) resumes from it
+            raise
+        shutil.rmtree(output, ignore_errors=True)
+        partial.rename(output)
+        checkpoints.remove(ckpt)
+        return str(output)
+
+
+def _paths(value):
+    return [Path(v) for v in value] if isinstance(value, list) else Path(value)
+
+
+def job_record(resources: dict, ray_nodes: list | None, placements: list[dict]) -> dict:
+    """Where the stage ran: for stage.json and the MLflow run."""
+    requested = {k: v for k, v in resources.items() if k not in ("sbatch_options", "ray_port")}
+    record = {"cluster": resources["cluster"], "resources": requested}
+    if "SLURM_JOB_ID" in os.environ:
+        record["slurm"] = {"job_id": os.environ["SLURM_JOB_ID"], "nodes": os.environ.get("SLURM_JOB_NODELIST"),
+                           "restarts": int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0),
+                           "partition": os.environ.get("SLURM_JOB_PARTITION")}
+    if ray_nodes is not None:
+        record["ray_nodes"] = ray_nodes
+    if placements:
+        record["actors"] = placements
+    return record
+
+
+def _tag_run(tracker, job: dict) -> None:
+    tags = {"launcher.cluster": job["cluster"], "launcher.resources": json.dumps(job["resources"])}
+    if "ray_nodes" in job:
+        tags["ray.nodes"] = ",".join(f"{n['hostname']}={n['ip']}" for n in job["ray_nodes"])
+    if "actors" in job:
+        tags["ray.actors"] = json.dumps([{k: p[k] for k in ("group", "rank", "hostname", "ip")} for p in job["actors"]])
+    if "slurm" in job:
+        tags["slurm.restarts"] = str(job["slurm"]["restarts"])
+    for key, value in tags.items():
+        with contextlib.suppress(Exception):  # tags are a record; never fail a finished stage over one
+            tracker.client.set_tag(tracker.run_id, key, value[:5000])
