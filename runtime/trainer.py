@@ -58,21 +58,21 @@ def start_workers(worker_cls, cfg: TrainerConfig, model_dir: Path, total_steps: 
     return group
 
 
-def fit(group, cfg: TrainerConfig, rows: list, name: str, run) -> list[dict]:
+def fit(group, cfg: TrainerConfig, rows: list, name: str, tracker) -> list[dict]:
     """Train for cfg.epochs over `rows` (shuffled per epoch by cfg.seed); returns the per-step log.
 
-    Every cfg.checkpoint_every steps all ranks save a checkpoint into run.checkpoint_dir (when the launcher
+    Every cfg.checkpoint_every steps all ranks save a checkpoint into tracker.checkpoint_dir (when the job
     provides one; runtime/checkpoints.py keeps the newest cfg.keep_checkpoints), and a later start resumes from
     the latest: the data order is replayed from the seed, so the resumed run sees exactly the batches the
     uninterrupted run would have, none twice."""
     steps_per_epoch = len(rows) // cfg.batch_size
     total = steps_per_epoch * cfg.epochs
-    ckpt_dir = getattr(run, "checkpoint_dir", None) if cfg.checkpoint_every else None
+    ckpt_dir = tracker.checkpoint_dir if cfg.checkpoint_every else None
     log, step = [], 0
     if resumed := checkpoints.resume(ckpt_dir, {"model": group}, name):
         step, state = resumed
         log = state["log"]
-        run.log_metrics({"resumed_from_step": step}, step=step)
+        tracker.log_metrics({"resumed_from_step": step}, step=step)
     progress = Progress(name, total)
     rng = random.Random(cfg.seed)
     for epoch in range(cfg.epochs):
@@ -85,7 +85,7 @@ def fit(group, cfg: TrainerConfig, rows: list, name: str, run) -> list[dict]:
             batch = order[index * cfg.batch_size:(index + 1) * cfg.batch_size]
             per_rank = group.call_per_rank("train_step", shard(batch, cfg.num_workers, cfg.micro_batch_size))
             metrics = {key: statistics.fmean(r[key] for r in per_rank) for key in per_rank[0]} | {"epoch": epoch}
-            run.log_metrics(metrics, step=step)
+            tracker.log_metrics(metrics, step=step)
             log.append({"step": step, **metrics, "rows": [r.get("id", i) for i, r in enumerate(batch)]})
             progress.update(step, **{k: v for k, v in metrics.items() if k not in ("epoch", "tokens")})
             if ckpt_dir and step % cfg.checkpoint_every == 0 and step < total:
