@@ -79,6 +79,9 @@ def rank_main(rank: int, world: int, mode: str, optimizer_impl: str, model_dir: 
             "lora_rank": cfg.lora_rank, "lora_targets": cfg.lora_targets if cfg.lora_rank else None,
             "global_batch": GLOBAL_BATCH, "prompt_tokens": PROMPT_TOKENS, "response_tokens": RESPONSE_TOKENS,
             "model": str(model_dir)}})
+    # Every rank leaves the group together: a rank whose peer exits first can abort in gloo's teardown.
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
 
 
 def main() -> None:
