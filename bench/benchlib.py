@@ -1,6 +1,7 @@
 """What the benches share: the job environment, the base model (built by the base_model stage's own code), the
-tracker stand-in and the results file; stage configs come from launcher.config.stage_config. Each bench's `--tiny` mode swaps SmolLM2-135M-Instruct for the schema's tiny random Llama (model.tiny, with
-its trained tokenizer) so that tests/test_benches.py can run every bench's code path for one step in seconds.
+tracker stand-in and the results file; stage configs come from launcher.config.stage_config. Each bench's
+`--tiny` mode swaps SmolLM2-135M-Instruct for the schema's tiny random Llama (model.tiny, with its trained
+tokenizer) so that tests/test_benches.py can run every bench's code path for one step in seconds.
 """
 import json
 import os

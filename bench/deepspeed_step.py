@@ -8,7 +8,7 @@
 SmolLM2-135M-Instruct, a global batch of 8 sequences (34 prompt + 24 response tokens, the demo's shape), loss on
 the response tokens, torch AdamW; prints the forward, backward and optimizer seconds of 5 steps (`--steps`, rank 0)
 and with `--out` writes them as JSON. The optimizer and LoRA settings are the sft stage's Config from the schema's
-defaults (benchlib.stage_config) with the batch, ranks, ZeRO stage and LoRA options set here.
+defaults (launcher.config.stage_config) with the batch, ranks, ZeRO stage and LoRA options set here.
 Why the demo trains with one ZeRO-0 rank: docs/benchmarks.md.
 """
 import argparse
@@ -107,7 +107,7 @@ def main() -> None:
     if args.lora_rank:
         trainer["lora_targets"] = args.lora_targets.split(",")
     # The ranks get its fields as a plain namespace: they need not import the stage (nor Ray).
-    cfg = types.SimpleNamespace(**dataclasses.asdict(stage_config(sft, {"seed": 0, "sft": trainer}, "sft")))
+    cfg = types.SimpleNamespace(**dataclasses.asdict(stage_config(sft, {"seed": 0, "sft": trainer})))
     model = base_model(args.model or default_model(args.tiny), args.tiny)
     with socket.socket() as sock:  # a free rendezvous port, so that runs never collide
         sock.bind(("127.0.0.1", 0))

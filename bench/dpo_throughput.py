@@ -7,7 +7,7 @@ responses cut at 48), global batch 8, sigmoid DPO with beta 0.1, fp32, on all of
 alignpipe as the demo's trainer in Ray actors (`--zero-stage`/`--workers`, default one ZeRO-0 rank with every
 core; `--workers 2 --zero-stage 2` for two ZeRO-2 ranks of one core each), TRL as one process.
 Steady-state pairs/s excludes the first `--warmup` steps. Results go to bench/results/dpo_throughput.json
-(`--out`). alignpipe's stage settings not named here are the schema's defaults (benchlib.stage_config).
+(`--out`). alignpipe's stage settings not named here are the schema's defaults (launcher.config.stage_config).
 """
 import argparse
 import json
@@ -51,7 +51,7 @@ def bench_alignpipe(model_dir: Path, pairs: list[dict], batch: int, steps: int, 
     cfg = stage_config(dpo, {"seed": 0, "dpo": {"zero_stage": zero_stage, "num_workers": workers, "epochs": 1,
                                                  "batch_size": batch, "micro_batch_size": batch // 2,
                                                  "learning_rate": 5e-6, "warmup_steps": 0, "checkpoint_every": 0,
-                                                 "loss": "dpo", "beta": 0.1}}, "dpo")
+                                                 "loss": "dpo", "beta": 0.1}})
     timer = StepTimer()
     group = trainer.start_workers(dpo.DPOWorker, cfg, model_dir, steps, timer)
     timer.start()

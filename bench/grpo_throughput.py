@@ -8,7 +8,7 @@ machine's cores. alignpipe: the demo's policy trainer (`--zero-stage`/`--workers
 with every core), a reference actor and a vLLM engine as Ray actors, weights synced to vLLM every step.
 TRL: one process, generation with transformers' generate.
 Steady-state seconds per step exclude the first `--warmup` steps; results in bench/results/grpo_throughput.json
-(`--out`). alignpipe's stage settings not named here are the schema's defaults (benchlib.stage_config).
+(`--out`). alignpipe's stage settings not named here are the schema's defaults (launcher.config.stage_config).
 """
 import argparse
 import json
@@ -60,7 +60,7 @@ def bench_alignpipe(model_dir: Path, rows: list[dict], steps: int, zero_stage: i
                                               "normalize_reward": False, "steps": steps,
                                               # TRL's GRPO: the KL to the reference (beta 0.01) is a loss term
                                               "kl_in_reward": False, "kl_coef": 0.01,
-                                              "zero_stage": zero_stage, "num_workers": workers}}, "rl", "grpo")
+                                              "zero_stage": zero_stage, "num_workers": workers}})
     tokenizer = load_tokenizer(model_dir)
     for r in rows:
         r["prompt_ids"] = tokenizer(r["prompt"], add_special_tokens=False)["input_ids"]
