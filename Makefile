@@ -22,12 +22,14 @@ $(ENV_STAMP): envs/cpu.txt envs/cpu.lock.txt pyproject.toml
 	$(VENV)/bin/pip install --quiet --no-deps --no-build-isolation -e .
 	touch $@
 
-# The demo's results directory, from its config (results_dir/experiment).
-DEMO_RESULTS = $(shell sed -n 's/^results_dir: *//p' config/default.yaml)/$(shell sed -n 's/^experiment: *//p' config/default.yaml)
+# The demo's config (CONFIG=config/arithmetic.yaml: the second demo, merged over the default) and its results
+# directory (results_dir/experiment).
+CONFIG ?= config/default.yaml
+DEMO_RESULTS = $(shell sed -n 's/^results_dir: *//p' config/default.yaml)/$(shell sed -n 's/^experiment: *//p' $(CONFIG))
 
 demo: venv
-	$(SNAKEMAKE) --profile cluster_profiles/local all
-	$(SNAKEMAKE) --profile cluster_profiles/local --report $(DEMO_RESULTS)/report.html
+	$(SNAKEMAKE) --profile cluster_profiles/local all --configfile $(CONFIG)
+	$(SNAKEMAKE) --profile cluster_profiles/local --configfile $(CONFIG) --report $(DEMO_RESULTS)/report.html
 	@echo "Report: $(DEMO_RESULTS)/report/report.md (tables: results.md/.tex/.csv; HTML: $(DEMO_RESULTS)/report.html)"
 
 test: venv

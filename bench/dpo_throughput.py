@@ -12,7 +12,6 @@ Steady-state pairs/s excludes the first `--warmup` steps. Results go to bench/re
 import argparse
 import json
 import os
-import random
 import statistics
 import sys
 import tempfile
@@ -26,17 +25,14 @@ MAX_PROMPT_TOKENS, MAX_RESPONSE_TOKENS = 64, 48
 
 
 def make_pairs(model_dir: Path, count: int) -> list[dict]:
+    """`count` preference pairs of the built-in IMDB dataset, as the preprocess stage makes them."""
     from stages import preprocess
-    from runtime import data
     from runtime.models import load_tokenizer
-    cfg = stage_config(preprocess, {"seed": 0, "data": {"source": "imdb", "prompt_words": 8,
-                                                          "max_prompt_tokens": MAX_PROMPT_TOKENS,
+    cfg = stage_config(preprocess, {"seed": 0, "data": {"max_prompt_tokens": MAX_PROMPT_TOKENS, "long_responses": "truncate",
                                                           "max_response_tokens": MAX_RESPONSE_TOKENS}}, "data")
-    stats = {"dropped_short": 0, "dropped_long_prompt": 0, "truncated_response": 0, "prompt_tokens": [],
-             "response_tokens": []}
-    reviews = data.load_reviews("imdb")
-    random.Random(0).shuffle(reviews)
-    return preprocess.make_pairs(reviews[:12 * count], count, cfg, load_tokenizer(model_dir), stats, random.Random(1))
+    formatter = preprocess.Formatter(cfg, load_tokenizer(model_dir))
+    raw = preprocess.read_rows("preference", cfg.preference | {"max_samples": 2 * count}, cfg, formatter)
+    return [pair for r in raw if (pair := formatter.pair(r, cfg.preference))][:count]
 
 
 def bench_alignpipe(model_dir: Path, pairs: list[dict], batch: int, steps: int, zero_stage: int,

@@ -30,17 +30,14 @@ REWARD_FILE = REPO / "config" / "rewards" / "sentiment.py"
 
 
 def prompts(model_dir: Path, count: int) -> list[dict]:
+    """`count` RL prompts of the built-in IMDB dataset, as the preprocess stage makes them."""
     from stages import preprocess
-    from runtime import data
     from runtime.models import load_tokenizer
-    cfg = stage_config(preprocess, {"seed": 0, "data": {"source": "imdb", "prompt_words": 8,
-                                                          "max_prompt_tokens": MAX_PROMPT_TOKENS,
+    cfg = stage_config(preprocess, {"seed": 0, "data": {"max_prompt_tokens": MAX_PROMPT_TOKENS,
                                                           "max_response_tokens": NEW_TOKENS}}, "data")
-    stats = {"dropped_short": 0, "dropped_long_prompt": 0, "truncated_response": 0, "prompt_tokens": [],
-             "response_tokens": []}
-    reviews = data.load_reviews("imdb")
-    random.Random(0).shuffle(reviews)
-    rows = preprocess.take(reviews, count, cfg, load_tokenizer(model_dir), stats)
+    formatter = preprocess.Formatter(cfg, load_tokenizer(model_dir))
+    raw = preprocess.read_rows("prompts", cfg.prompts | {"max_samples": 2 * count}, cfg, formatter)
+    rows = [row for r in raw if (row := formatter.prompt_row(r, cfg.prompts, "prompts"))][:count]
     return [{"id": i, **r} for i, r in enumerate(rows)]
 
 

@@ -10,7 +10,9 @@ from pathlib import Path
 import jsonschema
 import yaml
 
-from runtime.models import LLAMA_LINEAR_LAYERS
+from runtime.models import LINEAR_LAYERS
+from runtime.rewards import RewardFileError, load_reward_fn
+from runtime.user_data import is_hub, repo_path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SCHEMA_PATH = REPO_ROOT / "workflow" / "schemas" / "config.schema.yaml"
@@ -72,7 +74,8 @@ def validate_config(raw: dict | None, source: str = "config") -> dict:
 
 
 def check_consistency(config: dict, source: str) -> None:
-    """Rules that span several keys, which JSON schema cannot express."""
+    """Rules that span several keys, or look at the files the config names, which JSON schema cannot express."""
+    architecture = check_models(config, source)
     trainers = {stage: config[stage] for stage in ("sft", "reward_model", "dpo")}
     trainers |= {f"rl.variants.{name}": rl_variant(config, name) for name in config["rl"]["variants"]}
     for where, trainer in trainers.items():
@@ -80,10 +83,8 @@ def check_consistency(config: dict, source: str) -> None:
         if trainer["batch_size"] % per_step:
             raise ConfigError(f"{source}: {where}.batch_size = {trainer['batch_size']} must be a multiple of "
                               f"{where}.micro_batch_size * {where}.num_workers = {per_step}")
-        unknown = sorted(set(trainer["lora_targets"]) - set(LLAMA_LINEAR_LAYERS))
-        if trainer["lora_rank"] and unknown:  # every model.source is a Llama-style model
-            raise ConfigError(f"{source}: {where}.lora_targets {unknown}: no such linear layer; valid: "
-                              f"{list(LLAMA_LINEAR_LAYERS)}")
+        if trainer["lora_rank"]:
+            check_lora_targets(trainer["lora_targets"], architecture, f"{source}: {where}.lora_targets")
     for name in config["rl"]["variants"]:
         rl = trainers[f"rl.variants.{name}"]
         if rl["estimator"] not in ("gae", "reinforce") and rl["n_samples"] < 2:
@@ -93,9 +94,11 @@ def check_consistency(config: dict, source: str) -> None:
             raise ConfigError(f"{source}: rl.variants.{name}: rollout_batch_size * n_samples = "
                               f"{rl['rollout_batch_size'] * rl['n_samples']} must be a multiple of batch_size = "
                               f"{rl['batch_size']}")
-        if rl["reward"] != "model" and not (REPO_ROOT / rl["reward"]).is_file():
-            raise ConfigError(f"{source}: rl.variants.{name}.reward = {rl['reward']!r} is neither `model` nor a "
-                              "Python file (relative to the repository root) defining reward_fn")
+        if rl["reward"] != "model":
+            check_reward_file(rl["reward"], f"{source}: rl.variants.{name}.reward")
+    for i, reward in enumerate(config["evaluate"]["rewards"]):
+        if reward != "model":
+            check_reward_file(reward, f"{source}: evaluate.rewards.{i}")
     models = ["base", "sft", "dpo", *config["rl"]["variants"]]
     for i, model in enumerate(config["evaluate"]["models"]):
         if model not in models:
@@ -106,9 +109,72 @@ def check_consistency(config: dict, source: str) -> None:
         raise ConfigError(f"{source}: model.tiny.hidden_size / model.tiny.num_heads must be a whole number >= 32, "
                           f"got {tiny['hidden_size']} / {tiny['num_heads']}")
     data = config["data"]
-    if bool(data["preference_train_file"]) != bool(data["preference_eval_file"]):
-        raise ConfigError(f"{source}: data.preference_train_file and data.preference_eval_file go together; "
-                          "set both (your training and held-out pairs) or neither (generated pairs)")
+    if data["apply_chat_template"] and data["input_template"]:
+        raise ConfigError(f"{source}: data.input_template applies only with data.apply_chat_template: false")
+    if not data["apply_chat_template"] and data["sft"]["messages_key"]:
+        raise ConfigError(f"{source}: data.sft.messages_key (chat messages) needs data.apply_chat_template: true")
+
+
+def check_model_dir(path: str, where: str, kind: str = "causal-LM") -> dict:
+    """A Hugging Face directory the config names: its config.json, after checking it has safetensors weights."""
+    directory = repo_path(path)
+    if not (directory / "config.json").is_file():
+        raise ConfigError(f"{where} = {path!r}: not a Hugging Face {kind} directory (no {directory / 'config.json'})")
+    if not list(directory.glob("*.safetensors")):
+        raise ConfigError(f"{where} = {path!r}: no *.safetensors weights (alignpipe loads safetensors only; convert "
+                          "with save_pretrained(..., safe_serialization=True))")
+    return json.loads((directory / "config.json").read_text())
+
+
+def check_models(config: dict, source: str) -> str | None:
+    """The base model and the given SFT / reward models; returns the base model's architecture (model_type), None
+    for a hub model (known only once downloaded)."""
+    model = config["model"]
+    if model["path"] is None:
+        architecture = model["tiny"]["architecture"] if model["source"] == "tiny" else "llama"
+    elif is_hub(model["path"]):
+        architecture = None
+    else:
+        hf_config = check_model_dir(model["path"], f"{source}: model.path")
+        architecture = hf_config.get("model_type")
+        if hf_config.get("auto_map") and not model["trust_remote_code"]:
+            raise ConfigError(f"{source}: model.path = {model['path']!r} comes with its own Python code (auto_map in "
+                              "config.json); set model.trust_remote_code: true if you trust it")
+        directory = repo_path(model["path"])
+        tokenizer_config = directory / "tokenizer_config.json"
+        has_template = (directory / "chat_template.jinja").is_file() or (
+            tokenizer_config.is_file() and json.loads(tokenizer_config.read_text()).get("chat_template"))
+        if config["data"]["apply_chat_template"] and not has_template:
+            raise ConfigError(f"{source}: model.path = {model['path']!r} has no chat template; set "
+                              "data.apply_chat_template: false and data.input_template (e.g. \"User: {}\\nAssistant: \")")
+    if config["sft"]["from"]:
+        check_model_dir(config["sft"]["from"], f"{source}: sft.from")
+    if config["reward_model"]["from"]:
+        hf_config = check_model_dir(config["reward_model"]["from"], f"{source}: reward_model.from",
+                                    "sequence-classification")
+        if len(hf_config.get("id2label", {})) != 1:
+            raise ConfigError(f"{source}: reward_model.from = {config['reward_model']['from']!r} has "
+                              f"{len(hf_config.get('id2label', {}))} labels; a reward model has one (a scalar score)")
+    return architecture
+
+
+def check_lora_targets(targets, architecture: str | None, where: str) -> None:
+    """Layer names the architecture lacks are refused (an architecture not in LINEAR_LAYERS, or its default targets,
+    are checked when its model loads: runtime/lora.py)."""
+    layers = LINEAR_LAYERS.get(architecture)
+    if layers is None or targets in (None, "all-linear"):
+        return
+    unknown = sorted(set(targets) - set(layers))
+    if unknown:
+        raise ConfigError(f"{where} {unknown}: no such linear layer in a {architecture} model; valid: {list(layers)} "
+                          "or all-linear")
+
+
+def check_reward_file(path: str, where: str) -> None:
+    try:
+        load_reward_fn(repo_path(path))
+    except RewardFileError as err:
+        raise ConfigError(f"{where}: {err}") from None
 
 
 def method_seeds(config: dict) -> list[int]:

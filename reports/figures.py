@@ -48,8 +48,8 @@ def reward_vs_step(runs: list[dict], paths: list[Path], metadata: str) -> None:
             "Reward during RL (mean ± std over seeds)", paths, metadata)
 
 
-def kl_reward_frontier(runs: list[dict], paths: list[Path], metadata: str) -> None:
-    """Evaluations: held-out reward against KL to the base model; a dot per seed, the mean ± std as a cross."""
+def kl_reward_frontier(runs: list[dict], paths: list[Path], metadata: str, reward: str = "reward") -> None:
+    """Evaluations: held-out (main) reward against KL to the base model; a dot per seed, the mean ± std as a cross."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(5.5, 3.6), dpi=120)
     for method, group in by_method(runs).items():
@@ -59,7 +59,7 @@ def kl_reward_frontier(runs: list[dict], paths: list[Path], metadata: str) -> No
         spread = (lambda v: statistics.stdev(v) if len(v) > 1 else 0.0)
         ax.errorbar(statistics.fmean(kl), statistics.fmean(reward), xerr=spread(kl), yerr=spread(reward), fmt="o",
                     color=points.get_facecolor()[0][:3], capsize=3, label=f"{method} (n={len(group)})")
-    _finish(fig, ax, "KL to the base model (nats per response)", "held-out reward (sentiment)",
+    _finish(fig, ax, "KL to the base model (nats per response)", f"held-out {reward}",
             "Reward against KL: the frontier", paths, metadata)
 
 

@@ -7,13 +7,15 @@ import csv
 import io
 import statistics
 
-EVAL_COLUMNS = [  # (MLflow metric, column header, format)
-    ("reward_mean", "reward (sentiment) ↑", "{:.3f}"),
-    ("positive_fraction", "positive ↑", "{:.2f}"),
-    ("kl_to_reference", "KL to base", "{:.2f}"),
-    ("perplexity", "perplexity ↓", "{:.2f}"),
-    ("response_length", "length (tokens)", "{:.1f}"),
-]
+def eval_columns(reward_names: list[str]) -> list[tuple]:
+    """The results table's columns: (MLflow metric, header, format); a column per reward of evaluate.rewards."""
+    return [(f"reward_{name}", f"{name} ↑", "{:.3f}") for name in reward_names] + [
+        ("kl_to_reference", "KL to base", "{:.2f}"),
+        ("perplexity", "perplexity ↓", "{:.2f}"),
+        ("response_length", "length (tokens)", "{:.1f}"),
+    ]
+
+
 RL_COLUMNS = [
     ("eval_reward_before", "held-out RL reward of SFT", "{:.3f}"),
     ("eval_reward", "held-out RL reward ↑", "{:.3f}"),

@@ -92,8 +92,8 @@ class DeepSpeedWorker:
         self.lora = cfg.lora_rank > 0
         if self.lora:
             trainable = apply_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets, self.TRAINS_HEAD)
-            print(f"[{type(self).__name__}] LoRA r{cfg.lora_rank} on {', '.join(cfg.lora_targets)}: {trainable:,} of "
-                  f"{sum(p.numel() for p in model.parameters()):,} parameters train", flush=True)
+            print(f"[{type(self).__name__}] LoRA r{cfg.lora_rank} on {cfg.lora_targets or 'the default layers'}: "
+                  f"{trainable:,} of {sum(p.numel() for p in model.parameters()):,} parameters train", flush=True)
         optimizer = torch.optim.AdamW(self.param_groups(model, cfg.learning_rate), lr=cfg.learning_rate,
                                       weight_decay=cfg.weight_decay, fused=True)
         scheduler = warmup_cosine(optimizer, cfg.warmup_steps, rank.total_steps)
@@ -142,7 +142,8 @@ class DeepSpeedWorker:
                 model.save_pretrained(out_dir, state_dict=merged_state_dict(model) if self.lora else None,
                                       safe_serialization=True)
         if self.rank == 0:
-            from runtime.models import load_tokenizer
+            from runtime.models import load_tokenizer, record_remote_code, trusts_remote_code
             load_tokenizer(tokenizer_dir).save_pretrained(out_dir)
+            record_remote_code(out_dir, trusts_remote_code(tokenizer_dir))
         torch.distributed.barrier()
 

@@ -12,6 +12,7 @@ import torch
 from runtime import losses
 from runtime.advantages import compute_advantages
 from runtime.logprobs import pad_prompt_response
+from runtime.rewards import call_reward_fn
 
 if TYPE_CHECKING:
     from runtime.rl_actors import Roles
@@ -94,7 +95,7 @@ def generate(roles: Roles, prompts: list[dict], n: int, cfg, seed: int, temperat
 def score(roles: Roles, rollout: Rollout) -> list[float]:
     if roles.reward_model is not None:
         return ray.get(roles.reward_model.scores.remote(rollout))
-    return [float(s) for s in roles.reward_fn(rollout.prompts, rollout.completions, rollout.labels)]
+    return call_reward_fn(roles.reward_fn, roles.reward_file, rollout.prompts, rollout.completions, rollout.labels)
 
 
 def trains_once(cfg) -> bool:

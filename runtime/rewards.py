@@ -1,4 +1,61 @@
-"""Task rewards computed from text. The default task rewards positive sentiment (VADER, bundled lexicon)."""
+"""Task rewards: reward functions from Python files, checked, and the VADER sentiment the movie-review task uses.
+
+A reward file defines `reward_fn(prompts, completions, labels) -> one number per completion` (prompts as the model
+saw them, completions as text, labels from the dataset's label_key or None). It is imported and its signature checked
+before any job is queued (launcher/config.py); each call's result is checked where it is used.
+"""
+import importlib.util
+import inspect
+import math
+from pathlib import Path
+
+
+class RewardFileError(ValueError):
+    """A reward file that cannot be used, or a reward_fn call that returned something unusable; names the file."""
+
+
+def reward_name(reward: str) -> str:
+    """A reward's name in metrics and tables (reward_<name>): reward_model for `model`, else the file's name."""
+    return "reward_model" if reward == "model" else Path(reward).stem
+
+
+def load_reward_fn(path: Path):
+    """reward_fn from a Python file, after checking that it takes (prompts, completions, labels)."""
+    path = Path(path)
+    if path.suffix != ".py" or not path.is_file():
+        raise RewardFileError(f"{path} is not a Python file; a reward is `model` or a .py file defining "
+                              "reward_fn(prompts, completions, labels)")
+    spec = importlib.util.spec_from_file_location(f"alignpipe_reward_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as err:
+        raise RewardFileError(f"{path} fails to import: {type(err).__name__}: {err}") from None
+    reward_fn = getattr(module, "reward_fn", None)
+    if not callable(reward_fn):
+        raise RewardFileError(f"{path} must define reward_fn(prompts, completions, labels)")
+    try:
+        inspect.signature(reward_fn).bind([], [], [])
+    except TypeError:
+        raise RewardFileError(f"{path}: reward_fn{inspect.signature(reward_fn)} cannot be called as "
+                              "reward_fn(prompts, completions, labels)") from None
+    return reward_fn
+
+
+def call_reward_fn(reward_fn, path, prompts: list[str], completions: list[str], labels: list) -> list[float]:
+    """reward_fn's scores, checked: one finite number per completion."""
+    scores = reward_fn(prompts, completions, labels)
+    try:
+        scores = [float(s) for s in scores]
+    except (TypeError, ValueError):
+        raise RewardFileError(f"{path}: reward_fn must return one number per completion, got {scores!r:.200}") from None
+    if len(scores) != len(completions):
+        raise RewardFileError(f"{path}: reward_fn returned {len(scores)} scores for {len(completions)} completions")
+    bad = [i for i, s in enumerate(scores) if not math.isfinite(s)]
+    if bad:
+        raise RewardFileError(f"{path}: reward_fn returned {scores[bad[0]]} for completion {bad[0]} "
+                              f"({completions[bad[0]]!r:.100}); every score must be a finite number")
+    return scores
 
 
 def sentiment(texts: list[str]) -> list[float]:

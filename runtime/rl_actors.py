@@ -1,13 +1,12 @@
 """The rl stage's Ray actors: the policy and critic trainers (DeepSpeed ranks), the frozen reference and reward
 model, and `Roles`, which starts them all with the vLLM rollout engine. Each takes and returns `Rollout` rows."""
 import dataclasses
-import importlib.util
-from pathlib import Path
 
 import ray
 import torch
 
 from runtime import losses, trainer
+from runtime.rewards import load_reward_fn
 from runtime.deepspeed_strategy import DeepSpeedWorker, Rank
 from runtime.experience import Rollout
 from runtime.logprobs import entropy_from_logits, response_logits, response_logprobs, token_logprobs
@@ -100,16 +99,6 @@ class FrozenScorer:
         return self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, 0].tolist()
 
 
-def load_reward_fn(path: Path):
-    """reward_fn from a Python file (the rule's `reward_file` input)."""
-    spec = importlib.util.spec_from_file_location("alignpipe_user_reward", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    if not callable(getattr(module, "reward_fn", None)):
-        raise ValueError(f"rl.reward = {path}: the file must define reward_fn(prompts, completions, labels)")
-    return module.reward_fn
-
-
 class Roles:
     """Every actor of the stage, started once; `trainers` are the groups a checkpoint saves."""
 
@@ -128,5 +117,6 @@ class Roles:
         self.reference = remote(FrozenScorer).remote(policy_dir, "policy", threads)
         self.reward_model = remote(FrozenScorer).remote(str(inputs["reward_model"]), "reward", threads) \
             if cfg.reward == "model" else None
-        self.reward_fn = None if cfg.reward == "model" else load_reward_fn(inputs["reward_file"])
+        self.reward_file = None if cfg.reward == "model" else inputs["reward_file"]
+        self.reward_fn = self.reward_file and load_reward_fn(self.reward_file)
         self.engine = remote(VLLMEngine).remote(policy_dir, cfg.seed, max_len, num_threads=threads)

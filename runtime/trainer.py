@@ -33,7 +33,7 @@ class TrainerConfig:
     keep_checkpoints: int
     lora_rank: int
     lora_alpha: float
-    lora_targets: list[str]
+    lora_targets: list[str] | str | None  # names, "all-linear", or None: the architecture's default
     seed: int
 
 

@@ -1,11 +1,17 @@
-"""Stage `base_model`: materialise the experiment's base model as a plain Hugging Face directory.
+"""Stage `base_model`: the experiment's base model as a plain Hugging Face directory.
+
+`model.path`: your own model directory, linked (weights) and copied (config, tokenizer) into the output; a hub id
+(clusters with network) is downloaded there. Otherwise a built-in model: SmolLM2-135M-Instruct from its package, or
+a tiny random model built from `model.tiny`. The directory records `model.trust_remote_code` for every later loader.
 
     .venv/bin/snakemake --profile cluster_profiles/local results/<experiment>/base_model
 """
 import dataclasses
 from pathlib import Path
 
-from runtime import data, models
+from runtime import models
+from runtime.builtin_data import load_reviews
+from runtime.user_data import repo_path
 
 USES_RAY = False
 TOKENIZER_CORPUS = ("rotten_tomatoes", 4000)  # fixed, so the tiny tokenizer does not depend on data.* keys
@@ -13,6 +19,7 @@ TOKENIZER_CORPUS = ("rotten_tomatoes", 4000)  # fixed, so the tiny tokenizer doe
 
 @dataclasses.dataclass
 class Config:
+    path: str | None
     source: str
     tiny: dict
     trust_remote_code: bool
@@ -24,14 +31,22 @@ class Config:
 
 
 def run(cfg: Config, inputs: dict, output: Path, tracker) -> None:
-    print(f"[base_model] building {cfg.source}", flush=True)
-    if cfg.source == "smollm2-135m-instruct":
+    name = cfg.path or cfg.source
+    print(f"[base_model] {name}", flush=True)
+    if cfg.path and repo_path(cfg.path).exists():
+        models.link_model(repo_path(cfg.path), output)
+    elif cfg.path:
+        from huggingface_hub import snapshot_download
+        snapshot_download(cfg.path, local_dir=output, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model",
+                                                                      "*.jinja", *(["*.py"] * cfg.trust_remote_code)])
+    elif cfg.source == "smollm2-135m-instruct":
         models.build_smollm2(output)
     else:
         source, count = TOKENIZER_CORPUS
-        texts = [r["text"] for r in data.load_reviews(source)[:count]]
-        models.build_tiny(output, cfg.tiny, cfg.seed, texts)
+        models.build_tiny(output, cfg.tiny, cfg.seed, [r["text"] for r in load_reviews(source)[:count]])
+    models.record_remote_code(output, cfg.trust_remote_code)
     model = models.load_causal_lm(output)
     parameters = sum(p.numel() for p in model.parameters())
     tracker.log_metrics({"parameters": parameters})
-    print(f"[base_model] {cfg.source}: {parameters / 1e6:.1f}M parameters -> {output}", flush=True)
+    tracker.set_tags({"alignpipe.base_model": name})
+    print(f"[base_model] {name} ({model.config.model_type}): {parameters / 1e6:.1f}M parameters -> {output}", flush=True)

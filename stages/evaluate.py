@@ -1,7 +1,8 @@
 """Stage `evaluate`: sample held-out prompts with vLLM and score the samples.
 
-Metrics (metrics.json, and MLflow): task reward (VADER sentiment of the continuation), KL to the reference
-(base) model, response length, and perplexity of held-out reference continuations; samples.jsonl keeps a few
+Metrics (metrics.json, and MLflow): each reward of `evaluate.rewards` (a reward file's reward_fn, or `model`, the
+reward model's score) as reward_<name> (mean) and reward_<name>_std, the first of them also as reward_mean; KL to the
+reference (base) model, response length, and perplexity of the held-out SFT responses; samples.jsonl keeps a few
 generations to read.
 
     .venv/bin/snakemake --profile cluster_profiles/local results/<experiment>/evaluate/sft
@@ -14,10 +15,12 @@ from pathlib import Path
 import ray
 import torch
 
-from runtime import data, rewards
+from runtime import data
 from runtime.logprobs import pad_prompt_response, response_logits, token_logprobs
-from runtime.models import load_causal_lm, load_tokenizer
+from runtime.models import load_causal_lm, load_reward_model, load_tokenizer
+from runtime.rewards import call_reward_fn, load_reward_fn, reward_name
 from runtime.rollout import VLLMEngine, sampling_seed
+from runtime.user_data import repo_path
 
 USES_RAY = True
 SCORE_BATCH = 8
@@ -31,6 +34,7 @@ class Config:
     temperature: float
     top_p: float
     num_samples_logged: int
+    rewards: list
     seed: int
 
     @classmethod
@@ -50,11 +54,21 @@ def token_kl(logits: torch.Tensor, ref_logits: torch.Tensor) -> torch.Tensor:
 class Scorer:
     """Teacher-forced log-probabilities under the evaluated model and the reference model."""
 
-    def __init__(self, model_dir: str, reference_dir: str, num_threads: int):
+    def __init__(self, model_dir: str, reference_dir: str, reward_model_dir: str | None, num_threads: int):
         torch.set_num_threads(num_threads)
         self.model = load_causal_lm(model_dir).eval()
         self.reference = self.model if model_dir == reference_dir else load_causal_lm(reference_dir).eval()
+        self.reward_model = load_reward_model(reward_model_dir).eval() if reward_model_dir else None
         self.pad_id = load_tokenizer(model_dir).pad_token_id
+
+    @torch.no_grad()
+    def reward_model_scores(self, prompts: list[list[int]], responses: list[list[int]]) -> list[float]:
+        scores = []
+        for i in range(0, len(prompts), SCORE_BATCH):
+            batch = pad_prompt_response(prompts[i:i + SCORE_BATCH], responses[i:i + SCORE_BATCH], self.pad_id)
+            scores += self.reward_model(input_ids=batch["input_ids"],
+                                        attention_mask=batch["attention_mask"]).logits[:, 0].tolist()
+        return scores
 
     @torch.no_grad()
     def sequence_logprobs(self, prompts: list[list[int]], responses: list[list[int]], with_reference: bool):
@@ -78,17 +92,26 @@ def run(cfg: Config, inputs: dict, output: Path, tracker) -> None:
     prompt_ids = [tokenizer(r["prompt"], add_special_tokens=False)["input_ids"] for r in rows]
     threads = max(1, int(ray.available_resources().get("CPU", 1)))
     max_len = max(map(len, prompt_ids)) + cfg.max_new_tokens + 8
+    reward_fns = {reward: load_reward_fn(repo_path(reward)) for reward in cfg.rewards if reward != "model"}
 
     print(f"[evaluate] {cfg.model}: generating {len(rows)} prompts x {cfg.max_new_tokens} tokens with vLLM", flush=True)
     engine = ray.remote(num_cpus=1)(VLLMEngine).remote(str(inputs["model"]), cfg.seed, max_len, num_threads=threads)
     # The scorer loads its models meanwhile (mostly imports and file reads); it computes only after generation.
-    scorer = ray.remote(num_cpus=1)(Scorer).remote(str(inputs["model"]), str(inputs["reference"]), threads)
+    reward_model = str(inputs["reward_model"]) if "model" in cfg.rewards else None
+    scorer = ray.remote(num_cpus=1)(Scorer).remote(str(inputs["model"]), str(inputs["reference"]), reward_model, threads)
     samples = ray.get(engine.generate.remote(prompt_ids, 1, cfg.temperature, cfg.top_p, cfg.max_new_tokens,
                                              sampling_seed(cfg.seed, "evaluate")))
     ray.kill(engine)  # free its cores and KV cache before scoring
     completions = [s[0] for s in samples]
     texts = [c["text"] for c in completions]
-    scores = rewards.sentiment(texts)
+    scores = {}
+    for reward in cfg.rewards:
+        if reward == "model":
+            responses = [c["token_ids"] or [tokenizer.pad_token_id] for c in completions]  # an empty one still scores
+            scores["reward_model"] = ray.get(scorer.reward_model_scores.remote(prompt_ids, responses))
+        else:
+            scores[reward_name(reward)] = call_reward_fn(reward_fns[reward], reward, [r["prompt"] for r in rows], texts,
+                                                         [r["label"] for r in rows])
 
     print(f"[evaluate] {cfg.model}: scoring KL to the reference and perplexity", flush=True)
     logps = ray.get(scorer.sequence_logprobs.remote(prompt_ids, [c["token_ids"] for c in completions], True))
@@ -103,10 +126,11 @@ def run(cfg: Config, inputs: dict, output: Path, tracker) -> None:
     # samples are drawn at a temperature below 1).
     kl = statistics.fmean(kl for _, kl, _ in logps)
     nll = -sum(lp for lp, _, _ in references) / sum(n for _, _, n in references)
-    metrics = {
-        "reward_mean": statistics.fmean(scores),
-        "reward_std": statistics.pstdev(scores),
-        "positive_fraction": statistics.fmean(s > 0.05 for s in scores),
+    main = scores[reward_name(cfg.rewards[0])]
+    metrics = {"reward_mean": statistics.fmean(main), "reward_std": statistics.pstdev(main)}
+    for name, values in scores.items():
+        metrics |= {f"reward_{name}": statistics.fmean(values), f"reward_{name}_std": statistics.pstdev(values)}
+    metrics |= {
         "kl_to_reference": kl,
         "response_length": statistics.fmean(len(c["token_ids"]) for c in completions),
         "perplexity": float(torch.tensor(nll).exp()),
@@ -114,8 +138,9 @@ def run(cfg: Config, inputs: dict, output: Path, tracker) -> None:
     }
     (output / "metrics.json").write_text(json.dumps({"model": cfg.model, **metrics}, indent=2))
     data.write_jsonl(output / "samples.jsonl", [
-        {"opening": r["opening"], "label": r["label"], "completion": t, "reward": s}
-        for r, t, s in list(zip(rows, texts, scores))[:cfg.num_samples_logged]])
+        {"input": r["input"], "label": r["label"], "completion": t, "reward": main[i],
+         "rewards": {name: values[i] for name, values in scores.items()}}
+        for i, (r, t) in enumerate(list(zip(rows, texts))[:cfg.num_samples_logged])])
     tracker.log_metrics(metrics)
     tracker.log_artifact(output / "metrics.json")
     tracker.log_artifact(output / "samples.jsonl")

@@ -1,13 +1,17 @@
-"""Stage `preprocess`: movie reviews -> prompt/response rows with the chat template applied.
+"""Stage `preprocess`: the experiment's datasets -> prompt/response rows in the model's own format.
 
-Task: continue a movie review from its opening. SFT rows pair the opening of a positive review (prompt) with
-its true continuation (response); evaluation prompts are openings of held-out reviews of both labels, so a
-model only scores well if it steers even a negative opening toward a positive review. Preference pairs
-continue one opening with the text of a positive review (chosen) and of a negative one (rejected), each cut
-from a review whose text there reads clearly positive or negative (`pair_min_sentiment`: the middle of a
-review is often neutral, and a pair of two neutral snippets teaches nothing), unless the config names the
-user's own preference files. Keys follow OpenRLHF's conventions (prompt, response, label,
-chosen, rejected).
+Four datasets (config `data.sft`, `data.preference`, `data.prompts`, `data.eval`), each a user's file or a built-in
+one (runtime/builtin_data.py), read with the keys the config names. A row's input becomes the text the model
+continues (the chat template, with `data.system_prompt`, or `data.input_template` for a base model); a response
+ends with the template's end of turn. Rows whose prompt is longer than `max_prompt_tokens` are dropped, and those
+whose response is longer than `max_response_tokens` dropped or cut (`long_responses`); stats.json and the log count
+both. Without an eval dataset, a seeded `eval_fraction` of the prompts is held out, as it always is of the SFT rows
+and the pairs (their held-out loss and accuracy). Output keys follow OpenRLHF's (prompt, response, label, chosen,
+rejected):
+
+  sft_train / sft_eval        prompt, response
+  pairs_train / pairs_eval    prompt, chosen, rejected (, margin)
+  prompts_train / prompts_eval  prompt, input (the row's own text, for reading), label (, response)
 
     .venv/bin/snakemake --profile cluster_profiles/local results/<experiment>/preprocess
 """
@@ -17,27 +21,27 @@ import random
 import statistics
 from pathlib import Path
 
-from runtime import data, models, rewards
+from runtime import data
+from runtime.builtin_data import builtin_rows
+from runtime.models import end_of_turn, load_tokenizer
+from runtime.user_data import is_builtin, load_records
 
 USES_RAY = False
 
 
 @dataclasses.dataclass
 class Config:
-    source: str
-    prompt_words: int
+    sft: dict
+    preference: dict
+    prompts: dict
+    eval: dict
+    apply_chat_template: bool
+    input_template: str | None
+    system_prompt: str | None
     max_prompt_tokens: int
     max_response_tokens: int
-    num_train: int
-    num_eval: int
-    instruction: str
-    system_prompt: str | None
-    num_pairs_train: int
-    num_pairs_eval: int
-    pair_min_sentiment: float
-    num_rl_prompts: int
-    preference_train_file: str | None
-    preference_eval_file: str | None
+    long_responses: str
+    builtin: dict
     seed: int
 
     @classmethod
@@ -45,157 +49,158 @@ class Config:
         return cls(**params["data"], seed=params["seed"])
 
 
-def cut_response(text: str, cfg: Config, tokenizer, stats: dict) -> str:
-    """`text` cut at max_response_tokens; a response that ends on its own gets the EOS token."""
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    stats["response_tokens"].append(min(len(ids), cfg.max_response_tokens))
-    if len(ids) > cfg.max_response_tokens:
-        stats["truncated_response"] += 1
-        return tokenizer.decode(ids[:cfg.max_response_tokens])
-    return text + tokenizer.eos_token
+class Formatter:
+    """Rows in the model's format, with the length limits applied and counted per dataset."""
 
+    def __init__(self, cfg: Config, tokenizer):
+        self.cfg, self.tokenizer = cfg, tokenizer
+        self.end = end_of_turn(tokenizer)
+        self.stats: dict = {}
 
-def keep_prompt(prompt: str, cfg: Config, tokenizer, stats: dict) -> bool:
-    tokens = len(tokenizer(prompt, add_special_tokens=False)["input_ids"])
-    if tokens > cfg.max_prompt_tokens:
-        stats["dropped_long_prompt"] += 1
-        return False
-    stats["prompt_tokens"].append(tokens)
-    return True
+    def count(self, role: str, key: str, amount=1) -> None:
+        self.stats.setdefault(role, {}).setdefault(key, 0)
+        self.stats[role][key] += amount
 
+    def tokens(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
-def split_review(review: dict, cfg: Config, stats: dict) -> tuple[str, str] | None:
-    """(opening, continuation) of a review, or None when it is too short to continue."""
-    words = review["text"].split()
-    if len(words) < cfg.prompt_words + 3:
-        stats["dropped_short"] += 1
-        return None
-    return " ".join(words[:cfg.prompt_words]), " " + " ".join(words[cfg.prompt_words:])
+    def prompt(self, value) -> str:
+        """An input (text, or chat messages) as the text the model continues."""
+        cfg = self.cfg
+        if not cfg.apply_chat_template:
+            if not isinstance(value, str):
+                raise ValueError("chat messages need data.apply_chat_template: true (and a model with a chat template)")
+            return cfg.input_template.format(value) if cfg.input_template else value
+        messages = [{"role": "user", "content": value}] if isinstance(value, str) else value
+        if isinstance(value, str) and cfg.system_prompt is not None:  # otherwise the template's own, if any
+            messages = [{"role": "system", "content": cfg.system_prompt}, *messages]
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
+    def fit_response(self, text: str) -> str | None:
+        """A reply as the model learns it: ending with the end of turn; None if too long to keep."""
+        ids = self.tokens(text + self.end)
+        if len(ids) <= self.cfg.max_response_tokens:
+            return text + self.end
+        if self.cfg.long_responses == "drop":
+            return None
+        # Cut: no end of turn, the reply goes on. Text decoded from a cut can re-encode longer: cut until it fits.
+        keep = self.cfg.max_response_tokens
+        while len(self.tokens(cut := self.tokenizer.decode(ids[:keep]))) > self.cfg.max_response_tokens:
+            keep -= 1
+        return cut
 
-def task_prompt(opening: str, cfg: Config, tokenizer) -> str:
-    chat = [{"role": "user", "content": cfg.instruction}]
-    if cfg.system_prompt is not None:  # otherwise the template's own (SmolLM2's default is 20 tokens long)
-        chat.insert(0, {"role": "system", "content": cfg.system_prompt})
-    # The assistant turn starts with the opening, so the model's job is to continue it.
-    return tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) + opening
+    def fits_prompt(self, role: str, prompt: str) -> bool:
+        tokens = len(self.tokens(prompt))
+        if tokens > self.cfg.max_prompt_tokens:
+            self.count(role, "dropped_long_prompt")
+            return False
+        self.stats.setdefault(role, {}).setdefault("prompt_tokens", []).append(tokens)
+        return True
 
+    def response(self, role: str, text: str) -> str | None:
+        fitted = self.fit_response(text)
+        if fitted is None:
+            self.count(role, "dropped_long_response")
+        elif not fitted.endswith(self.end):
+            self.count(role, "truncated_response")
+        if fitted is not None:
+            self.stats.setdefault(role, {}).setdefault("response_tokens", []).append(len(self.tokens(fitted)))
+        return fitted
 
-def make_row(review: dict, cfg: Config, tokenizer, stats: dict) -> dict | None:
-    """One prompt/response row, or None when the review is too short or the prompt too long."""
-    parts = split_review(review, cfg, stats)
-    if parts is None:
-        return None
-    opening, continuation = parts
-    prompt = task_prompt(opening, cfg, tokenizer)
-    if not keep_prompt(prompt, cfg, tokenizer, stats):
-        return None
-    return {"prompt": prompt, "response": cut_response(continuation, cfg, tokenizer, stats),
-            "label": review["label"], "opening": opening}
-
-
-def make_pairs(reviews: list[dict], count: int, cfg: Config, tokenizer, stats: dict, rng: random.Random) -> list[dict]:
-    """Openings continued by a positive review's text (chosen) and a negative review's (rejected), keeping
-    only continuations whose sentiment agrees with their review's label by at least cfg.pair_min_sentiment.
-    Each text is used once while the pool lasts (a reward model learns to recognise repeated texts, not their
-    sentiment), then the pool is reused evenly."""
-    split = [(r["label"], split_review(r, cfg, stats)) for r in reviews]
-    openings = [p[0] for _, p in split if p]
-    continuations = [(label, p[1]) for label, p in split if p]
-    # Judged as the model will see them: cut to max_response_tokens (the stats count only the texts used).
-    unused_stats = {"response_tokens": [], "truncated_response": 0}
-    polarity = rewards.sentiment([cut_response(text, cfg, tokenizer, unused_stats) for _, text in continuations])
-    threshold = cfg.pair_min_sentiment
-    positives = [text for (label, text), s in zip(continuations, polarity) if label == 1 and s >= threshold]
-    negatives = [text for (label, text), s in zip(continuations, polarity) if label == 0 and s <= -threshold]
-    rng.shuffle(positives)
-    rng.shuffle(negatives)
-    pairs = []
-    for opening in openings:
-        if len(pairs) == count or not (positives and negatives):
-            break
-        prompt = task_prompt(opening, cfg, tokenizer)
-        if keep_prompt(prompt, cfg, tokenizer, stats):
-            i = len(pairs)
-            pairs.append({"prompt": prompt,
-                          "chosen": cut_response(positives[i % len(positives)], cfg, tokenizer, stats),
-                          "rejected": cut_response(negatives[i % len(negatives)], cfg, tokenizer, stats)})
-    if len(pairs) < count:
-        raise ValueError(f"data.source {cfg.source!r} yields only {len(pairs)} usable pairs, fewer than the "
-                         f"{count} asked for (data.num_pairs_train / data.num_pairs_eval); lower them or "
-                         f"data.pair_min_sentiment ({threshold})")
-    return pairs
-
-
-def user_pairs(path: str, cfg: Config, tokenizer, stats: dict) -> list[dict]:
-    """A user's preference file as prompt/chosen/rejected text: chat message lists go through the chat
-    template; without a prompt, the conversation before the last message of `chosen` is the prompt."""
-    pairs = []
-    for row in data.read_preference_file(path):
-        def last_text(value):
-            return value if isinstance(value, str) else value[-1]["content"]
-        if "prompt" in row:
-            messages = [{"role": "user", "content": row["prompt"]}] if isinstance(row["prompt"], str) else row["prompt"]
+    def sft(self, row: dict, spec: dict) -> dict | None:
+        if spec["messages_key"]:
+            messages = row[spec["messages_key"]]
+            prompt, reply = self.prompt(messages[:-1]), messages[-1]["content"]
         else:
-            messages = [] if isinstance(row["chosen"], str) else row["chosen"][:-1]
-        prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) if messages else ""
-        if prompt and not keep_prompt(prompt, cfg, tokenizer, stats):
-            continue
-        pair = {"prompt": prompt, "chosen": cut_response(last_text(row["chosen"]), cfg, tokenizer, stats),
-                "rejected": cut_response(last_text(row["rejected"]), cfg, tokenizer, stats)}
-        if "margin" in row:
-            pair["margin"] = row["margin"]
-        pairs.append(pair)
-    return pairs
+            prompt, reply = self.prompt(row[spec["input_key"]]), row[spec["output_key"]]
+        if not self.fits_prompt("sft", prompt) or (response := self.response("sft", reply)) is None:
+            return None
+        return {"prompt": prompt, "response": response}
+
+    def pair(self, row: dict, spec: dict) -> dict | None:
+        """A pair as prompt/chosen/rejected text: chat message lists go through the chat template; without a
+        prompt, the conversation before the last message of `chosen` is the prompt."""
+        chosen, rejected = row[spec["chosen_key"]], row[spec["rejected_key"]]
+        if row.get(spec["prompt_key"]) is not None:
+            prompt = self.prompt(row[spec["prompt_key"]])
+        else:
+            prompt = self.prompt(chosen[:-1]) if isinstance(chosen, list) and len(chosen) > 1 else ""
+        last = lambda value: value if isinstance(value, str) else value[-1]["content"]
+        if prompt and not self.fits_prompt("preference", prompt):
+            return None
+        chosen, rejected = self.response("preference", last(chosen)), self.response("preference", last(rejected))
+        if chosen is None or rejected is None:
+            return None
+        pair = {"prompt": prompt, "chosen": chosen, "rejected": rejected}
+        if spec["margin_key"]:
+            pair["margin"] = float(row[spec["margin_key"]])
+        return pair
+
+    def prompt_row(self, row: dict, spec: dict, role: str) -> dict | None:
+        value = row[spec["input_key"]]
+        prompt = self.prompt(value)
+        if not self.fits_prompt(role, prompt):
+            return None
+        out = {"prompt": prompt, "input": value if isinstance(value, str) else value[-1]["content"],
+               "label": row[spec["label_key"]] if spec["label_key"] else None}
+        if spec.get("output_key"):
+            out["response"] = row[spec["output_key"]]
+        return out
 
 
-def take(reviews, count, cfg, tokenizer, stats) -> list[dict]:
-    rows = []
-    for review in reviews:
-        if len(rows) == count:
-            break
-        row = make_row(review, cfg, tokenizer, stats)
-        if row is not None:
-            rows.append(row)
-    if len(rows) < count:
-        raise ValueError(f"data.source {cfg.source!r} yields only {len(rows)} usable rows, fewer than the "
-                         f"{count} asked for (data.num_train / data.num_eval); lower them or data.prompt_words")
-    return rows
+def read_rows(role: str, spec: dict, cfg: Config, formatter: Formatter) -> list[dict]:
+    if is_builtin(spec["path"]):
+        as_seen = lambda text: formatter.tokenizer.decode(formatter.tokens(text)[:cfg.max_response_tokens])
+        return builtin_rows(spec["path"], role, spec["max_samples"], cfg.seed, cfg.builtin, as_seen)
+    return load_records(spec)
+
+
+def hold_out(rows: list[dict], fraction: float, seed: int) -> tuple[list[dict], list[dict]]:
+    """(train, held out): a seeded shuffle, then round(fraction * rows), at least one, held out."""
+    rows = rows[:]
+    random.Random(seed).shuffle(rows)
+    count = max(1, round(fraction * len(rows)))
+    return rows[count:], rows[:count]
 
 
 def run(cfg: Config, inputs: dict, output: Path, tracker) -> None:
-    tokenizer = models.load_tokenizer(inputs["model"])
-    reviews = data.load_reviews(cfg.source)
-    random.Random(cfg.seed).shuffle(reviews)
-    held_out, train_pool = reviews[:len(reviews) // 5], reviews[len(reviews) // 5:]
-    stats = {"dropped_short": 0, "dropped_long_prompt": 0, "truncated_response": 0,
-             "prompt_tokens": [], "response_tokens": []}
-    positives = [r for r in train_pool if r["label"] == 1]
-    splits = {
-        "sft_train": take(positives, cfg.num_train, cfg, tokenizer, stats),
-        "sft_eval": take([r for r in held_out if r["label"] == 1], cfg.num_eval, cfg, tokenizer, stats),
-        "prompts_eval": take(held_out[len(held_out) // 2:], cfg.num_eval, cfg, tokenizer, stats),
-        # RL prompts: openings of training reviews of both labels (their continuations are not used).
-        "prompts_train": take(train_pool[:len(train_pool) // 2], cfg.num_rl_prompts, cfg, tokenizer, stats),
-    }
-    if cfg.preference_train_file:
-        splits["pairs_train"] = user_pairs(cfg.preference_train_file, cfg, tokenizer, stats)
-        splits["pairs_eval"] = user_pairs(cfg.preference_eval_file, cfg, tokenizer, stats)
+    tokenizer = load_tokenizer(inputs["model"])
+    if cfg.apply_chat_template and not tokenizer.chat_template:
+        raise ValueError("data.apply_chat_template is true but the model has no chat template: set it to false and "
+                         "give data.input_template (e.g. \"User: {}\\nAssistant: \")")
+    formatter = Formatter(cfg, tokenizer)
+    formatted = {}
+    for role, convert in (("sft", formatter.sft), ("preference", formatter.pair),
+                          ("prompts", lambda row, spec: formatter.prompt_row(row, spec, "prompts")),
+                          ("eval", lambda row, spec: formatter.prompt_row(row, spec, "eval"))):
+        spec = getattr(cfg, role)
+        if role == "eval" and not spec["path"]:
+            continue
+        rows = read_rows(role, spec, cfg, formatter)
+        formatter.count(role, "rows_read", len(rows))
+        formatted[role] = [out for row in rows if (out := convert(row, spec)) is not None]
+        if len(formatted[role]) < 2:
+            raise ValueError(f"data.{role} ({spec['path']}) has {len(formatted[role])} usable rows of {len(rows)} "
+                             f"read (stats: {formatter.stats[role]}); it needs at least 2: raise data.max_prompt_tokens "
+                             "/ max_response_tokens or set long_responses: truncate")
+    splits = {}
+    splits["sft_train"], splits["sft_eval"] = hold_out(formatted["sft"], cfg.sft["eval_fraction"], cfg.seed)
+    splits["pairs_train"], splits["pairs_eval"] = hold_out(formatted["preference"], cfg.preference["eval_fraction"],
+                                                           cfg.seed)
+    if "eval" in formatted:
+        splits["prompts_train"], splits["prompts_eval"] = formatted["prompts"], formatted["eval"]
     else:
-        pair_rng = random.Random(cfg.seed + 1)
-        # The half of the training reviews that the RL prompts do not come from.
-        splits["pairs_train"] = make_pairs(train_pool[len(train_pool) // 2:], cfg.num_pairs_train, cfg,
-                                           tokenizer, stats, pair_rng)
-        splits["pairs_eval"] = make_pairs(held_out[:len(held_out) // 2], cfg.num_pairs_eval, cfg, tokenizer, stats,
-                                          pair_rng)
+        splits["prompts_train"], splits["prompts_eval"] = hold_out(formatted["prompts"], cfg.prompts["eval_fraction"],
+                                                                   cfg.seed)
     for name, rows in splits.items():
         data.write_jsonl(output / f"{name}.jsonl", [{"id": i, **row} for i, row in enumerate(rows)])
     summary = {f"rows_{name}": len(rows) for name, rows in splits.items()}
-    summary |= {k: stats[k] for k in ("dropped_short", "dropped_long_prompt", "truncated_response")}
-    for key in ("prompt_tokens", "response_tokens"):
-        summary[f"{key}_mean"] = statistics.fmean(stats[key])
-        summary[f"{key}_max"] = max(stats[key])
-    summary["prompts_eval_positive_fraction"] = statistics.fmean(r["label"] for r in splits["prompts_eval"])
+    for role, stats in formatter.stats.items():
+        for key, value in stats.items():
+            if isinstance(value, list):
+                summary[f"{role}_{key}_mean"], summary[f"{role}_{key}_max"] = statistics.fmean(value), max(value)
+            else:
+                summary[f"{role}_{key}"] = value
     (output / "stats.json").write_text(json.dumps(summary, indent=2))
     tracker.log_metrics(summary)
     tracker.log_artifact(output / "stats.json")

@@ -11,24 +11,57 @@ side files. Methods run once per seed of the grid are shown as mean ± std over 
 
     .venv/bin/snakemake --profile cluster_profiles/local results/<experiment>/report
 """
+import ast
 import dataclasses
+import functools
 import json
 import tempfile
 from pathlib import Path
 
 from reports import figures, tables
+from runtime.rewards import reward_name
+from runtime.user_data import repo_path
 
 USES_RAY = False
-TEMPLATE = Path(__file__).resolve().parent.parent / "reports" / "report_template.md"
+TEMPLATE = repo_path("reports/report_template.md")
 
 
 @dataclasses.dataclass
 class Config:
+    """What the report shows (evaluate.models, evaluate.rewards) and what its prose describes (model, data, rl)."""
     models: list
+    rewards: list
+    model: dict
+    data: dict
+    rl: dict
 
     @classmethod
     def from_params(cls, params: dict) -> "Config":
-        return cls(models=params["evaluate"]["models"])
+        return cls(models=params["evaluate"]["models"], rewards=params["evaluate"]["rewards"], model=params["model"],
+                   data=params["data"], rl=params["rl"])
+
+
+def describe_reward(reward: str) -> str:
+    """`model`, or a reward file's path with the first line of its docstring."""
+    if reward == "model":
+        return "the reward model's score"
+    doc = ast.get_docstring(ast.parse(repo_path(reward).read_text())) or ""
+    return f"`{reward}`" + (f": {doc.splitlines()[0]}" if doc else "")
+
+
+def describe_experiment(cfg: Config, sft: dict, reward_model: dict) -> str:
+    """The experiment in a few sentences, from its config and from which models were trained or given."""
+    data = cfg.data
+    base = cfg.model["path"] or cfg.model["source"]
+    origin = lambda run, trained: f"given (`{run['given']}`, not trained)" if run["given"] else trained
+    variants = ", ".join(f"{name} ({settings.get('estimator', cfg.rl['estimator'])}, reward "
+                         f"{settings.get('reward', cfg.rl['reward'])})" for name, settings in cfg.rl["variants"].items())
+    sft_data, pairs, prompts = data["sft"]["path"], data["preference"]["path"], data["prompts"]["path"]
+    template = "go through the model's chat template" if data["apply_chat_template"] \
+        else f"follow the template {data['input_template']!r}"
+    return (f"Base model `{base}`. SFT model: {origin(sft, f'trained on `{sft_data}`')}. Reward model: "
+            f"{origin(reward_model, f'trained on the pairs of `{pairs}`')}. DPO on the same pairs; RL on the prompts "
+            f"of `{prompts}`: {variants}. Prompts {template}.")
 
 
 def tracked_run(client, stage_dir: Path, histories: tuple[str, ...] = ()) -> dict:
@@ -37,7 +70,7 @@ def tracked_run(client, stage_dir: Path, histories: tuple[str, ...] = ()) -> dic
     found = client.get_run(run_id)
     params, tags = found.data.params, found.data.tags
     history = {key: sorted((m.step, m.value) for m in client.get_metric_history(run_id, key)) for key in histories}
-    return {"run_id": run_id, "run_name": found.info.run_name,
+    return {"run_id": run_id, "run_name": found.info.run_name, "given": tags.get("alignpipe.given_model"),
             "method": params.get("model") or params.get("variant") or tags["alignpipe.stage"],
             "seed": int(params["seed"]) if "seed" in params else None,
             "metrics": dict(found.data.metrics), "history": history,
@@ -58,10 +91,11 @@ def run(cfg: Config, inputs: dict, output: Path, tracker) -> None:
     reward_model = next(r for r in trained if r["method"] == "reward_model")
     sources = {}
 
-    eval_rows = tables.summarise(evaluations, [key for key, _, _ in tables.EVAL_COLUMNS])
+    eval_columns = tables.eval_columns([reward_name(r) for r in cfg.rewards])
+    eval_rows = tables.summarise(evaluations, [key for key, _, _ in eval_columns])
     rl_rows = tables.summarise(rl_runs, [key for key, _, _ in tables.RL_COLUMNS])
     for name, rows, columns, runs, caption in (
-            ("results", eval_rows, tables.EVAL_COLUMNS, evaluations,
+            ("results", eval_rows, eval_columns, evaluations,
              "Held-out evaluation; mean $\\pm$ std over seeds where a method ran with several."),
             ("rl", rl_rows, tables.RL_COLUMNS, rl_runs, "RL runs; mean $\\pm$ std over seeds.")):
         source = provenance(runs)
@@ -71,7 +105,8 @@ def run(cfg: Config, inputs: dict, output: Path, tracker) -> None:
         sources |= {f"{name}.{ext}": source for ext in ("md", "tex", "csv")}
 
     for name, draw, runs in (("reward_vs_step", figures.reward_vs_step, rl_runs),
-                             ("kl_reward_frontier", figures.kl_reward_frontier, evaluations),
+                             ("kl_reward_frontier", functools.partial(figures.kl_reward_frontier,
+                                                                      reward=reward_name(cfg.rewards[0])), evaluations),
                              ("training_curves", figures.training_curves, trained + rl_runs)):
         source = provenance(runs)
         draw(runs, [output / f"{name}.png", output / f"{name}.pdf"], metadata=json.dumps(source))
@@ -81,15 +116,26 @@ def run(cfg: Config, inputs: dict, output: Path, tracker) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         samples_path = client.download_artifacts(last["run_id"], "samples.jsonl", tmp)
         samples = [json.loads(line) for line in Path(samples_path).read_text().splitlines()][:4]
+    sft = next(r for r in trained if r["method"] == "sft")
+    rm = reward_model["metrics"]
     text = TEMPLATE.read_text().format(
         experiment=output.parent.name,  # results/<experiment>/report
+        description=describe_experiment(cfg, sft, reward_model),
         num_prompts=int(evaluations[0]["metrics"]["num_prompts"]),
-        table=tables.markdown(eval_rows, tables.EVAL_COLUMNS),
-        rm_accuracy=reward_model["metrics"]["eval_accuracy"], rm_pairs=int(reward_model["metrics"]["eval_pairs"]),
-        rm_mean=reward_model["metrics"]["reward_mean"], rm_std=reward_model["metrics"]["reward_std"],
+        eval_source=f"`{cfg.data['eval']['path']}`" if cfg.data["eval"]["path"]
+        else f"the prompts held out of `{cfg.data['prompts']['path']}`",
+        reward_list="\n".join(f"- {reward_name(r)}: {describe_reward(r)}" for r in cfg.rewards),
+        table=tables.markdown(eval_rows, eval_columns),
+        reward_model=f"Held-out pairwise accuracy **{rm['eval_accuracy']:.3f}** on {int(rm['eval_pairs'])} pairs "
+                     f"(chance is 0.5; {rm['eval_accuracy_before']:.3f} before training); its rewards have mean "
+                     f"{rm['reward_mean']:.3f} and std {rm['reward_std']:.3f}." if not reward_model["given"] else
+                     f"Given (`{reward_model['given']}`): held-out pairwise accuracy **{rm['eval_accuracy']:.3f}** on "
+                     f"{int(rm['eval_pairs'])} pairs; rewards mean {rm['reward_mean']:.3f}, std {rm['reward_std']:.3f}.",
+        rl_rewards=", ".join(sorted({describe_reward(v.get("reward", cfg.rl["reward"]))
+                                     for v in cfg.rl["variants"].values()})),
         rl_table=tables.markdown(rl_rows, tables.RL_COLUMNS),
         sample_model=last["run_name"].removeprefix("evaluate/"),
-        samples="\n".join(f"- *{s['opening']}* → {s['completion'].strip()!r} (reward {s['reward']:.2f})" for s in samples),
+        samples="\n".join(f"- *{s['input']}* → {s['completion'].strip()!r} (reward {s['reward']:.2f})" for s in samples),
         source=tables.source_line(provenance(evaluations + rl_runs + trained)),
     )
     (output / "report.md").write_text(text)
@@ -98,4 +144,4 @@ def run(cfg: Config, inputs: dict, output: Path, tracker) -> None:
         tracker.log_artifact(path)
     tracker.log_metrics({"reward_model_accuracy": reward_model["metrics"]["eval_accuracy"]})
     print(f"[report] {output / 'report.md'}", flush=True)
-    print(tables.markdown(eval_rows, tables.EVAL_COLUMNS), flush=True)
+    print(tables.markdown(eval_rows, eval_columns), flush=True)

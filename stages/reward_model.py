@@ -3,6 +3,8 @@
     .venv/bin/snakemake --profile cluster_profiles/local results/<experiment>/reward_model
 Output: a Hugging Face sequence-classification directory (one label), metrics.json with held-out pairwise
 accuracy and the mean/std of its rewards (RL normalises rewards with them), and train_log.jsonl.
+With `reward_model.from: <dir>` (a sequence-classification model with the policy's tokenizer) nothing is trained: the
+given model is evaluated on the held-out pairs and becomes the output.
 """
 import dataclasses
 import json
@@ -14,7 +16,7 @@ import torch
 from runtime import data, losses, trainer
 from runtime.deepspeed_strategy import DeepSpeedWorker, Rank
 from runtime.logprobs import pair_batch
-from runtime.models import load_reward_model, load_tokenizer
+from runtime.models import link_given_model, load_reward_model, load_tokenizer
 
 USES_RAY = True
 LOSSES = {"sigmoid": losses.pairwise_sigmoid_loss, "logexp": losses.pairwise_logexp_loss}
@@ -25,10 +27,13 @@ class Config(trainer.TrainerConfig):
     loss: str
     use_margin: bool
     head_learning_rate: float | None
+    given: str | None  # the config's `from`: a reward model to use instead of training one
 
     @classmethod
     def from_params(cls, params: dict) -> "Config":
-        return cls(**params["reward_model"], seed=params["seed"])
+        keys = dict(params["reward_model"])
+        given = keys.pop("from")
+        return cls(**keys, given=given, seed=params["seed"])
 
 
 def score_pairs(model, tokenizer, rows: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -80,18 +85,26 @@ def held_out_metrics(group, rows: list, world_size: int) -> dict:
 def run(cfg: Config, inputs: dict, output: Path, tracker) -> None:
     train_rows = data.read_jsonl(inputs["data"] / "pairs_train.jsonl")
     eval_rows = data.read_jsonl(inputs["data"] / "pairs_eval.jsonl")
-    total_steps = trainer.steps_for(cfg, len(train_rows), "reward_model")
-    group = trainer.start_workers(RewardWorker, cfg, inputs["model"], total_steps, tracker)
+    if cfg.given:
+        # Rollouts reach the reward model as the policy's token ids: the two must share one tokenizer.
+        if load_tokenizer(inputs["given"]).get_vocab() != load_tokenizer(inputs["model"]).get_vocab():
+            raise ValueError(f"reward_model.from = {inputs['given']}: its tokenizer differs from the policy's "
+                             f"({inputs['model']}); a given reward model must use the same one")
+        link_given_model(inputs["given"], inputs["model"], output)
+        tracker.set_tags({"alignpipe.given_model": str(inputs["given"])})
+    total_steps = 0 if cfg.given else trainer.steps_for(cfg, len(train_rows), "reward_model")
+    group = trainer.start_workers(RewardWorker, cfg, output if cfg.given else inputs["model"], total_steps, tracker)
     before = held_out_metrics(group, eval_rows, cfg.num_workers)
-    log = trainer.fit(group, cfg, train_rows, "reward_model", tracker)
+    log = [] if cfg.given else trainer.fit(group, cfg, train_rows, "reward_model", tracker)
     after = held_out_metrics(group, eval_rows, cfg.num_workers)
-    group.call("save_hf", str(output), str(inputs["model"]))
+    if not cfg.given:
+        group.call("save_hf", str(output), str(inputs["model"]))
     group.shutdown()
     trainer.save_log(output, log)
-    summary = {"steps": len(log), "eval_accuracy_before": before["accuracy"], "eval_accuracy": after["accuracy"],
-               "reward_mean": after["reward_mean"], "reward_std": after["reward_std"], "eval_pairs": after["pairs"]}
+    summary = {"steps": len(log), "given": cfg.given and str(inputs["given"]), "eval_accuracy_before": before["accuracy"],
+               "eval_accuracy": after["accuracy"], "reward_mean": after["reward_mean"], "reward_std": after["reward_std"], "eval_pairs": after["pairs"]}
     (output / "metrics.json").write_text(json.dumps(summary, indent=2))
-    tracker.log_metrics({k: v for k, v in summary.items() if k != "steps"}, step=len(log))
+    tracker.log_metrics({k: v for k, v in summary.items() if k not in ("steps", "given")}, step=len(log))
     tracker.log_artifact(output / "metrics.json")
     print(f"[reward_model] held-out accuracy {before['accuracy']:.3f} -> {after['accuracy']:.3f}, "
           f"reward mean {after['reward_mean']:.3f} std {after['reward_std']:.3f}", flush=True)

@@ -2,6 +2,8 @@
 
     .venv/bin/snakemake --profile cluster_profiles/local results/<experiment>/sft
 Output: a Hugging Face `save_pretrained` directory, plus train_log.jsonl (per-step metrics) and metrics.json.
+With `sft.from: <dir>` nothing is trained: the given model becomes the output (its weights linked) and the
+held-out loss is measured once.
 """
 import dataclasses
 import json
@@ -12,16 +14,20 @@ import torch
 from runtime import data, trainer
 from runtime.deepspeed_strategy import DeepSpeedWorker, Rank
 from runtime.logprobs import pad_prompt_response, response_logprobs
-from runtime.models import load_causal_lm, load_tokenizer
+from runtime.models import link_given_model, load_causal_lm, load_tokenizer
 
 USES_RAY = True
 
 
 @dataclasses.dataclass
 class Config(trainer.TrainerConfig):
+    given: str | None  # the config's `from`: a model to use instead of training one
+
     @classmethod
     def from_params(cls, params: dict) -> "Config":
-        return cls(**params["sft"], seed=params["seed"])
+        keys = dict(params["sft"])
+        given = keys.pop("from")
+        return cls(**keys, given=given, seed=params["seed"])
 
 
 def tokenize_sft(tokenizer, rows: list[dict]) -> dict:
@@ -65,6 +71,18 @@ def held_out_loss(group, rows: list, world_size: int) -> float:
 def run(cfg: Config, inputs: dict, output: Path, tracker) -> None:
     train_rows = data.read_jsonl(inputs["data"] / "sft_train.jsonl")
     eval_rows = data.read_jsonl(inputs["data"] / "sft_eval.jsonl")
+    if cfg.given:
+        link_given_model(inputs["given"], inputs["model"], output)
+        tracker.set_tags({"alignpipe.given_model": str(inputs["given"])})
+        group = trainer.start_workers(SFTWorker, cfg, output, 0, tracker)
+        eval_loss = held_out_loss(group, eval_rows, cfg.num_workers)
+        group.shutdown()
+        summary = {"given": str(inputs["given"]), "steps": 0, "eval_loss_before": eval_loss,
+                   "eval_loss_after": eval_loss}
+        (output / "metrics.json").write_text(json.dumps(summary, indent=2))
+        tracker.log_metrics({"eval_loss": eval_loss})
+        print(f"[sft] given model {inputs['given']} (not trained): held-out loss {eval_loss:.4f}", flush=True)
+        return
     total_steps = trainer.steps_for(cfg, len(train_rows), "sft")
     group = trainer.start_workers(SFTWorker, cfg, inputs["model"], total_steps, tracker)
     eval_before = held_out_loss(group, eval_rows, cfg.num_workers)

@@ -13,3 +13,6 @@ class Tracker:
 
     def log_metrics(self, metrics: dict, step: int | None = None) -> None:
         pass
+
+    def set_tags(self, tags: dict) -> None:
+        pass

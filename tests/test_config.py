@@ -1,4 +1,5 @@
 """Config validation: bad keys, types and ranges stop the run before any stage starts, naming the key."""
+import json
 import subprocess
 import sys
 import time
@@ -89,3 +90,50 @@ def test_code_hash_follows_imports_and_ignores_comments(tmp_path, monkeypatch):
     assert edit("runtime/other.py", "from launcher import submit\nthing = 2\n") != hashes[0]
     assert edit("runtime/helper.py", "X = 2\n") != hashes[-2]
     assert edit("runtime/job.py", "RUNNER = 2\n") != hashes[-2]
+
+
+def fake_model_dir(path, weights: str = "model.safetensors", chat_template: bool = True, **config):
+    """A directory that looks like a Hugging Face model to the config checks (they read only its small files)."""
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps({"model_type": "gpt2"} | config))
+    (path / weights).write_bytes(b"")
+    (path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ x }}"} if chat_template else {}))
+    return str(path)
+
+
+def reward_file(path, text):
+    path.write_text(text)
+    return str(path)
+
+
+@pytest.mark.parametrize("make, expected", [
+    (lambda d: {"model": {"path": str(d / "missing")}}, ["model.path", "not a Hugging Face causal-LM directory"]),
+    (lambda d: {"model": {"path": fake_model_dir(d / "m", weights="pytorch_model.bin")}}, ["no *.safetensors"]),
+    (lambda d: {"model": {"path": fake_model_dir(d / "m", auto_map={"AutoModel": "x.Y"})}},
+     ["own Python code", "trust_remote_code: true"]),
+    (lambda d: {"model": {"path": fake_model_dir(d / "m", chat_template=False)}},
+     ["has no chat template", "apply_chat_template: false", "input_template"]),
+    (lambda d: {"model": {"path": fake_model_dir(d / "m")}, "sft": {"lora_rank": 4, "lora_targets": ["q_proj"]}},
+     ["sft.lora_targets ['q_proj']", "gpt2", "c_attn", "all-linear"]),
+    (lambda d: {"sft": {"from": str(d / "nothing")}}, ["sft.from", "nothing"]),
+    (lambda d: {"reward_model": {"from": fake_model_dir(d / "rm", id2label={"0": "a", "1": "b"})}},
+     ["reward_model.from", "2 labels"]),
+    (lambda d: {"evaluate": {"rewards": [reward_file(d / "r.txt", "")]}}, ["evaluate.rewards.0", "not a Python file"]),
+    (lambda d: {"evaluate": {"rewards": [reward_file(d / "r.py", "def score(x): pass\n")]}},
+     ["evaluate.rewards.0", "must define reward_fn"]),
+    (lambda d: {"rl": {"reward": reward_file(d / "r.py", "def reward_fn(completions): pass\n")}},
+     ["rl.variants.grpo.reward", "reward_fn(completions)", "reward_fn(prompts, completions, labels)"]),
+    (lambda d: {"rl": {"reward": reward_file(d / "r.py", "import no_such_module\n")}}, ["fails to import"]),
+    (lambda d: {"data": {"input_template": "Q: {}\nA: "}}, ["input_template", "apply_chat_template: false"]),
+])
+def test_models_and_reward_files_are_checked_before_anything_runs(tmp_path, make, expected):
+    with pytest.raises(ConfigError) as err:
+        validate_config(make(tmp_path), source="my.yaml")
+    for fragment in expected:
+        assert fragment in str(err.value), str(err.value)
+
+
+def test_lora_targets_of_the_models_architecture_pass(tmp_path):
+    base = fake_model_dir(tmp_path / "m")
+    validate_config({"model": {"path": base}, "sft": {"lora_rank": 4, "lora_targets": ["c_attn", "c_fc"]},
+                     "dpo": {"lora_rank": 4, "lora_targets": "all-linear"}, "reward_model": {"lora_rank": 4}})

@@ -69,3 +69,34 @@ def test_reward_model_head_trains_fully():
 def test_unknown_target_names_the_model_layers():
     with pytest.raises(ValueError, match=r"\['qkv'\].*gate_proj"):
         apply_lora(tiny_lm(), rank=2, alpha=4, targets=["q_proj", "qkv"], train_head=False)
+
+
+def tiny_gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=2, n_positions=16, resid_pdrop=0.0,
+                                      embd_pdrop=0.0, attn_pdrop=0.0)).eval()
+
+
+@pytest.mark.parametrize("targets, adapted_names", [
+    (None, {"c_attn"}),  # GPT-2's default: its fused query/key/value projection
+    ("all-linear", {"c_attn", "c_proj", "c_fc"}),
+])
+def test_gpt2_conv1d_layers_adapt_and_merge(tmp_path, targets, adapted_names):
+    """GPT-2 keeps its linear layers as Conv1D, weight (in, out): adapters and the merged export follow that layout."""
+    model = tiny_gpt2()
+    before = model(input_ids=IDS).logits
+    apply_lora(model, rank=4, alpha=8, targets=targets, train_head=False)
+    assert {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, LoRALinear)} == adapted_names
+    torch.testing.assert_close(model(input_ids=IDS).logits, before)
+    train_adapters(model)
+    model.save_pretrained(tmp_path, state_dict=merged_state_dict(model), safe_serialization=True)
+    with torch.no_grad():
+        torch.testing.assert_close(load_causal_lm(tmp_path).eval()(input_ids=IDS).logits, model(input_ids=IDS).logits,
+                                   rtol=1e-5, atol=1e-5)
+
+
+def test_default_targets_follow_the_architecture():
+    model = tiny_lm()
+    apply_lora(model, rank=2, alpha=4, targets=None, train_head=False)
+    assert {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, LoRALinear)} == {"q_proj", "v_proj"}

@@ -25,3 +25,28 @@ def test_response_logprobs_match_full_logits():
         want = full[row][full_mask[row].bool()]
         assert len(got) == len(responses[row])
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_trust_remote_code_follows_the_model_directory(tmp_path, monkeypatch):
+    """model.trust_remote_code is recorded in the base model's directory and in every directory linked from it; each
+    loader passes it on (off where nothing says otherwise)."""
+    import transformers
+    from runtime import models
+    texts = ["a small corpus for a small tokenizer"] * 20
+    models.build_tiny(tmp_path / "base", {"hidden_size": 64, "num_layers": 1, "num_heads": 2, "vocab_size": 300}, 0,
+                      texts)
+    assert not models.trusts_remote_code(tmp_path / "base")
+    models.record_remote_code(tmp_path / "base", True)
+    (tmp_path / "given").mkdir()
+    models.link_given_model(tmp_path / "base", tmp_path / "base", tmp_path / "given")
+    seen = []
+    for name in ("AutoTokenizer", "AutoModelForCausalLM", "AutoModelForSequenceClassification"):
+        cls = getattr(transformers, name)
+        original = cls.from_pretrained.__func__
+        monkeypatch.setattr(cls, "from_pretrained", classmethod(
+            lambda c, *a, _orig=original, **kw: seen.append(kw["trust_remote_code"]) or _orig(c, *a, **kw)))
+    models.load_tokenizer(tmp_path / "given")
+    models.load_causal_lm(tmp_path / "given")
+    models.load_reward_model(tmp_path / "given")
+    assert seen and all(seen)
+    assert (tmp_path / "given" / "model.safetensors").is_symlink()

@@ -9,7 +9,8 @@ import pytest
 import ray
 import torch
 
-from runtime import checkpoints, data, models, trainer
+from runtime import checkpoints, models, trainer
+from runtime.builtin_data import load_reviews
 from runtime.experience import Rollout
 from runtime.rl_actors import PolicyWorker
 from runtime.rollout import VLLMEngine
@@ -33,14 +34,14 @@ def local_ray():
 def tiny_base(tmp_path):
     """A tiny random model and its reviews tokenizer: (model dir, review texts)."""
     base = tmp_path / "base"
-    texts = [r["text"] for r in data.load_reviews("rotten_tomatoes")[:500]]
+    texts = [r["text"] for r in load_reviews("rotten_tomatoes")[:500]]
     models.build_tiny(base, {"hidden_size": 64, "num_layers": 2, "num_heads": 2, "vocab_size": 400}, 0, texts)
     return base, texts
 
 
 def start_policy(base, zero_stage: int, lora_rank: int, batch_size: int):
     """One PolicyWorker rank (lr 2e-2, so a step visibly changes the model), LoRA on every linear layer if lora_rank."""
-    lora = {"lora_rank": lora_rank, "lora_alpha": 2 * lora_rank, "lora_targets": list(models.LLAMA_LINEAR_LAYERS)}
+    lora = {"lora_rank": lora_rank, "lora_alpha": 2 * lora_rank, "lora_targets": "all-linear"}
     cfg = stage_config(rl, {"rl": {"zero_stage": zero_stage, "num_workers": 1, "epochs": 1, "batch_size": batch_size,
                             "micro_batch_size": batch_size, "learning_rate": 2e-2, "weight_decay": 0.0,
                             "warmup_steps": 0, "max_grad_norm": 1.0, "checkpoint_every": 0,

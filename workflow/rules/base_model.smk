@@ -1,4 +1,7 @@
 rule base_model:
+    input:
+        # your own model directory (model.path): replacing its files reruns the experiment
+        [config["model"]["path"]] if config["model"]["path"] and not is_hub(config["model"]["path"]) else [],
     output:
         directory(f"{RESULTS}/base_model"),
     log:

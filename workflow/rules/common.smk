@@ -6,17 +6,15 @@ from pathlib import PurePosixPath
 
 sys.path.insert(0, workflow.basedir)
 from launcher.code_hash import stage_code_hash
-from launcher.config import ConfigError, method_seeds, rl_variant, seeded_models, validate_config
-from runtime.data import PreferenceDataError, read_preference_file
+from launcher.config import ConfigError, method_seeds, results_root, rl_variant, seeded_models, validate_config
+from runtime.user_data import DataError, ROLES, check_datasets, is_builtin, is_hub
 
 try:
     _sources = [str(f) for f in workflow.configfiles] + (["--config"] if workflow.config_settings.config else [])
     _validated = validate_config(config, source=" + ".join(_sources) or "config")
     # Users' data is checked here too: a bad row stops the run before any stage is queued.
-    for _key in ("preference_train_file", "preference_eval_file"):
-        if _validated["data"][_key]:
-            read_preference_file(_validated["data"][_key])
-except (ConfigError, PreferenceDataError) as err:
+    check_datasets(_validated["data"], results_root(_validated) / _validated["experiment"] / ".checked_datasets.json")
+except (ConfigError, DataError) as err:
     raise WorkflowError(str(err)) from None
 config.clear()
 config.update(_validated)
@@ -69,7 +67,24 @@ def launch(wildcards, resources):
     return f"{shlex.quote(sys.executable)} -m launcher"
 
 
-# Which files a rule reads, for the rules that pick them by wildcard.
+# Which files a rule reads, where the config picks them.
+def dataset_files(wildcards):
+    """The user's dataset files and directories (not built-in or hub datasets): a changed file reruns preprocess."""
+    return [spec["path"] for spec in map(config["data"].get, ROLES)
+            if spec["path"] and not is_builtin(spec["path"]) and not is_hub(spec["path"])]
+
+
+def given_model(stage):
+    """The model the config gives a stage instead of training one (`<stage>.from`), as its input `given`."""
+    return lambda wildcards: {"given": config[stage]["from"]} if config[stage]["from"] else {}
+
+
+def evaluate_reward_inputs(wildcards):
+    rewards = config["evaluate"]["rewards"]
+    return ({"reward_model": rules.reward_model.output[0]} if "model" in rewards else {}) | \
+        {"reward_files": [r for r in rewards if r != "model"]}
+
+
 def rl_reward_inputs(wildcards):
     reward = rl_variant(config, wildcards.variant)["reward"]
     return {"reward_model": rules.reward_model.output[0]} if reward == "model" else {"reward_file": reward}

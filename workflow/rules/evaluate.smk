@@ -2,6 +2,7 @@
 # (dpo, rl variants), per seed of the grid; base and sft are evaluated once, with the shared seed.
 rule evaluate:
     input:
+        unpack(evaluate_reward_inputs),
         model=model_dir,
         reference=rules.base_model.output[0],
         data=rules.preprocess.output[0],

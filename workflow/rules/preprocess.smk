@@ -1,7 +1,7 @@
 rule preprocess:
     input:
         model=rules.base_model.output[0],
-        preference_files=[f for f in (config["data"]["preference_train_file"], config["data"]["preference_eval_file"]) if f],
+        datasets=dataset_files,
     output:
         directory(f"{RESULTS}/preprocess"),
     log:

@@ -13,7 +13,7 @@ rule report:
     log:
         f"{RESULTS}/logs/report.log",
     params:
-        stage=stage_key("report", "evaluate"),
+        stage=stage_key("report", "evaluate", "model", "data", "rl"),
         job_io=job_io,
         launch=launch,
     shell:

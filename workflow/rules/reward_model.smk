@@ -1,9 +1,13 @@
 rule reward_model:
     input:
+        unpack(given_model("reward_model")),
         model=rules.sft.output[0],
         data=rules.preprocess.output[0],
     output:
         directory(f"{RESULTS}/reward_model"),
+    message:
+        f"reward_model: using the given reward model {config['reward_model']['from']} (evaluated, not trained)"
+        if config["reward_model"]["from"] else None
     log:
         f"{RESULTS}/logs/reward_model.log",
     params:

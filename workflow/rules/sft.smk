@@ -1,9 +1,12 @@
 rule sft:
     input:
+        unpack(given_model("sft")),
         model=rules.base_model.output[0],
         data=rules.preprocess.output[0],
     output:
         directory(f"{RESULTS}/sft"),
+    message:
+        f"sft: using the given model {config['sft']['from']} (not trained)" if config["sft"]["from"] else None
     log:
         f"{RESULTS}/logs/sft.log",
     params:

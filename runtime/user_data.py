@@ -1,0 +1,217 @@
+"""The datasets of an experiment: the user's (a JSONL, Parquet or CSV file, a `datasets` save_to_disk directory, or
+on a cluster with network a hub dataset with a split), loaded with Hugging Face `datasets`, and every row checked.
+
+Each role names its keys in the config (data.sft, data.preference, data.prompts, data.eval; schema for details):
+  sft         input_key + output_key, or messages_key (a chat whose last message is the assistant's reply)
+  preference  chosen_key, rejected_key (text or chat messages); prompt_key (optional in a row); margin_key
+  prompts     input_key (text or messages); label_key (passed to reward functions)
+  eval        as prompts; output_key (optional): a reference response
+`check_datasets` runs in the Snakefile, before any job is queued, and names every bad row (up to 20) with its file
+and line. `load_records` is what the preprocess stage reads. Light at import: `datasets` loads only when needed.
+"""
+import hashlib
+import json
+import math
+import os
+import re
+from pathlib import Path
+
+ROLES = ("sft", "preference", "prompts", "eval")
+BUILTIN_PREFIX = "builtin:"
+FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+MAX_REPORTED = 20
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def repo_path(path: str) -> Path:
+    """A path of the config (a dataset, model, reward file): absolute, or relative to the repository root."""
+    return REPO_ROOT / path  # (an absolute `path` replaces the root)
+
+
+class DataError(ValueError):
+    """Bad rows of a dataset; the message names each with its file and line (or row)."""
+
+
+def is_builtin(path: str) -> bool:
+    return path.startswith(BUILTIN_PREFIX)
+
+
+def is_hub(path: str) -> bool:
+    """A hub dataset id (`org/name`) rather than a local path: nothing of that name exists here."""
+    return not is_builtin(path) and not repo_path(path).exists() and re.fullmatch(r"[\w.-]+/[\w.-]+", path) is not None
+
+
+def load_records(spec: dict) -> list[dict]:
+    """The rows of a user dataset (spec: a data.<role> block), the first `max_samples` of them."""
+    if not is_hub(spec["path"]):
+        os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # a local file: never ask the hub for anything
+    import datasets
+    path = repo_path(spec["path"])
+    if path.is_dir():
+        loaded = datasets.load_from_disk(str(path))
+        table = loaded[spec["split"]] if isinstance(loaded, datasets.DatasetDict) else loaded
+    elif path.suffix in FORMATS:
+        table = datasets.load_dataset(FORMATS[path.suffix], data_files=str(path), split="train")
+    else:  # a hub dataset (clusters with network; never here)
+        table = datasets.load_dataset(spec["path"], split=spec["split"])
+    return table.select(range(min(len(table), spec["max_samples"]))).to_list()
+
+
+# ---- row checks: each returns the problems of one value ("" keys name the row's key in the message)
+
+def _text(value, key: str) -> list[str]:
+    if not isinstance(value, str):
+        return [f"{key!r} must be text, got {type(value).__name__}"]
+    return [] if value.strip() else [f"{key!r} is empty"]
+
+
+def _messages(value, key: str) -> list[str]:
+    if not isinstance(value, list) or not value:
+        return [f"{key!r} must be a non-empty list of chat messages ({{'role', 'content'}})"]
+    problems = []
+    for i, message in enumerate(value):
+        if not isinstance(message, dict):
+            problems.append(f"{key}[{i}] is not a message ({{'role', 'content'}})")
+        elif message.get("role") not in CHAT_ROLES:
+            problems.append(f"{key}[{i}] has no valid 'role' (one of {', '.join(CHAT_ROLES)})")
+        elif not isinstance(message.get("content"), str) or not message["content"].strip():
+            problems.append(f"{key}[{i}].content is missing or empty")
+    return problems
+
+
+def _text_or_messages(value, key: str) -> list[str]:
+    return _messages(value, key) if isinstance(value, list) else _text(value, key)
+
+
+def row_problems(role: str, spec: dict, row) -> list[str]:
+    """What is wrong with one row of a dataset of `role` read with the keys of `spec` (empty: nothing)."""
+    if not isinstance(row, dict):
+        return [f"each row must be an object with keys, got {type(row).__name__}"]
+    problems: list[str] = []
+
+    def present(key: str) -> bool:
+        if row.get(key) is None:
+            problems.append(f"missing key {key!r} (keys here: {', '.join(sorted(row)) or 'none'})")
+            return False
+        return True
+
+    if role == "sft" and spec["messages_key"]:
+        key = spec["messages_key"]
+        if present(key):
+            problems += _messages(row[key], key)
+            if not problems and row[key][-1]["role"] != "assistant":
+                problems.append(f"the last message of {key!r} must be the assistant's reply to learn")
+    elif role == "sft":
+        if present(spec["input_key"]):
+            problems += _text_or_messages(row[spec["input_key"]], spec["input_key"])
+        if present(spec["output_key"]):
+            problems += _text(row[spec["output_key"]], spec["output_key"])
+    elif role == "preference":
+        for key in (spec["chosen_key"], spec["rejected_key"]):
+            if present(key):
+                problems += _text_or_messages(row[key], key)
+        if row.get(spec["prompt_key"]) is not None:
+            problems += _text_or_messages(row[spec["prompt_key"]], spec["prompt_key"])
+        if spec["margin_key"] and present(spec["margin_key"]):
+            margin = row[spec["margin_key"]]
+            if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not math.isfinite(margin):
+                problems.append(f"{spec['margin_key']!r} must be a finite number, got {margin!r}")
+        if not problems and row[spec["chosen_key"]] == row[spec["rejected_key"]]:
+            problems.append("chosen and rejected are identical, so the pair says nothing")
+    else:  # prompts, eval
+        if present(spec["input_key"]):
+            problems += _text_or_messages(row[spec["input_key"]], spec["input_key"])
+        if spec["label_key"]:
+            present(spec["label_key"])
+        if spec.get("output_key") and present(spec["output_key"]):
+            problems += _text(row[spec["output_key"]], spec["output_key"])
+    return problems
+
+
+def _jsonl_problems(role: str, spec: dict, path: Path) -> list[str]:
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = raw[:err.start].count(b"\n") + 1
+        return [f"{path}, line {line}: not UTF-8 text (byte 0x{raw[err.start]:02x}); save the file as UTF-8"]
+    problems, kinds = [], {}
+    for line_no, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            problems.append(f"{path}, line {line_no}: not valid JSON ({err.msg}, column {err.colno})")
+            continue
+        found = row_problems(role, spec, row)
+        if not found:  # Arrow, which `datasets` reads into, needs one type per column
+            for key, value in row.items():
+                kind = {list: "a list", dict: "an object", str: "text", bool: "true/false", int: "a number",
+                        float: "a number"}.get(type(value), type(value).__name__)
+                if value is not None and kinds.setdefault(key, (kind, line_no))[0] != kind:
+                    found.append(f"{key!r} is {kind} here but {kinds[key][0]} on line {kinds[key][1]} "
+                                 "(one type per key in a file)")
+        problems += [f"{path}, line {line_no}: {p}" for p in found]
+    return problems or ([] if text.strip() else [f"{path}: no rows"])
+
+
+def _table_problems(role: str, spec: dict, path: Path) -> list[str]:
+    try:
+        rows = load_records(spec | {"max_samples": 2**62})
+    except UnicodeDecodeError:
+        return [f"{path}: not UTF-8 text; save the file as UTF-8"]
+    except Exception as err:  # what `datasets` says of a file it cannot read, with the file named
+        return [f"{path}: cannot be read as {FORMATS.get(path.suffix, 'a datasets directory')}: {err}"]
+    first_line = 2 if path.suffix == ".csv" else 0  # a CSV's line 1 is its header
+    where = (lambda i: f"line {i + first_line}") if first_line else (lambda i: f"row {i}")
+    problems = [f"{path}, {where(i)}: {p}" for i, row in enumerate(rows) for p in row_problems(role, spec, row)]
+    return problems or ([] if rows else [f"{path}: no rows"])
+
+
+def dataset_problems(role: str, spec: dict) -> list[str]:
+    """Every problem of a local dataset of `role`, each naming the file and line (JSONL, CSV) or row."""
+    path = repo_path(spec["path"])
+    if not path.exists():
+        return [f"data.{role}.path = {spec['path']!r}: no such file or directory (relative paths are taken from "
+                "the repository root)"]
+    if path.is_file() and path.suffix not in FORMATS:
+        return [f"data.{role}.path = {spec['path']!r}: unknown format; use {', '.join(FORMATS)} or a "
+                "`datasets` save_to_disk directory"]
+    return _jsonl_problems(role, spec, path) if path.suffix in (".jsonl", ".json") else _table_problems(role, spec, path)
+
+
+def _fingerprint(role: str, spec: dict) -> str:
+    """Changes when the file (size, modification time), or how it is read, changes."""
+    path = repo_path(spec["path"])
+    files = sorted(path.rglob("*")) if path.is_dir() else [path]
+    stats = [(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files if f.is_file()]
+    return hashlib.sha256(json.dumps([role, spec, stats], sort_keys=True).encode()).hexdigest()
+
+
+def check_datasets(data: dict, cache_file: Path) -> None:
+    """Check every row of every local dataset of the config's `data` block; raise DataError naming the bad rows
+    (up to MAX_REPORTED, then how many more). A dataset that passed is remembered in `cache_file` by its files' sizes
+    and modification times, so an unchanged rerun does not read it again."""
+    passed = set(json.loads(cache_file.read_text())) if cache_file.is_file() else set()
+    problems, newly_passed = [], []
+    for role in ROLES:
+        spec = data[role]
+        if not spec["path"] or is_builtin(spec["path"]) or is_hub(spec["path"]):
+            continue  # none, built in, or a hub dataset (checked where it is loaded)
+        fingerprint = _fingerprint(role, spec) if repo_path(spec["path"]).exists() else None
+        if fingerprint in passed:
+            continue
+        found = dataset_problems(role, spec)
+        problems += found
+        if not found:
+            newly_passed.append(fingerprint)
+    if newly_passed:
+        cache_file.parent.mkdir(parents=True, exist_ok=True)
+        cache_file.write_text(json.dumps(sorted(passed | set(newly_passed))))
+    if problems:
+        shown = problems[:MAX_REPORTED]
+        more = f"\n  ... and {len(problems) - MAX_REPORTED} more" if len(problems) > MAX_REPORTED else ""
+        raise DataError(f"{len(problems)} bad rows or files in the experiment's datasets:\n  "
+                        + "\n  ".join(shown) + more)

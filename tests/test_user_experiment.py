@@ -1,0 +1,201 @@
+"""A new user's experiment, with none of the packaged data: their own model directory (tiny random Qwen2 and GPT-2
+models, built and saved here as a user has them), their SFT, preference, RL-prompt and eval files, their reward file;
+then the same experiment started from an SFT model and a reward model they already have; and the built-in
+arithmetic task (config/arithmetic.yaml) on a tiny Mistral. Each runs the whole DAG through the real parts."""
+import csv
+import json
+import random
+from pathlib import Path
+
+import pandas
+import pytest
+import yaml
+from mlflow.tracking import MlflowClient
+from transformers import AutoTokenizer
+
+from launcher.config import REPO_ROOT, deep_merge
+from pipeline_helpers import snakemake, write_config
+from runtime.models import build_tiny
+
+pytestmark = pytest.mark.e2e
+WORDS = ("apple pear plum grape lemon melon cherry peach mango olive bread cheese honey pepper onion carrot "
+         "river stone cloud storm field forest valley island candle mirror window garden basket ladder button rocket").split()
+REWARD_FILE = '''"""Did the reply say the requested word? 1 if the label is one of its words, else 0."""
+
+
+def reward_fn(prompts, completions, labels):
+    return [float(label in completion.replace(".", " ").split()) for completion, label in zip(completions, labels)]
+'''
+
+
+def question(word: str, i: int) -> str:
+    return ["Repeat the word: {}", "Say {} once.", "Echo this: {}"][i % 3].format(word)
+
+
+def write_user_files(root: Path, chat: bool) -> dict:
+    """The user's four datasets and reward file; preference pairs as chat messages (chat) or text with a prompt."""
+    rng = random.Random(0)
+    root.mkdir(parents=True, exist_ok=True)
+    sft = [{"question": question(w, i), "answer": w} for i, w in enumerate(rng.choices(WORDS, k=64))]
+    pairs = []
+    for i, word in enumerate(rng.choices(WORDS, k=96)):
+        wrong = rng.choice([w for w in WORDS if w != word])
+        if chat:
+            turn = [{"role": "user", "content": question(word, i)}]
+            pairs.append({"chosen": turn + [{"role": "assistant", "content": word}],
+                          "rejected": turn + [{"role": "assistant", "content": wrong}]})
+        else:
+            pairs.append({"prompt": question(word, i), "chosen": word, "rejected": wrong})
+    prompts = [{"question": question(w, i), "word": w} for i, w in enumerate(rng.choices(WORDS, k=64))]
+    held_out = [{"question": question(w, i + 1), "word": w} for i, w in enumerate(rng.choices(WORDS, k=16))]
+    for name, rows in (("sft.jsonl", sft), ("pairs.jsonl", pairs), ("eval.jsonl", held_out)):
+        (root / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    pandas.DataFrame(prompts).to_parquet(root / "prompts.parquet")
+    (root / "said_the_word.py").write_text(REWARD_FILE)
+    return {"texts": [r["question"] + " " + r["answer"] for r in sft] * 4, "reward": str(root / "said_the_word.py"),
+            "data": {"sft": {"path": str(root / "sft.jsonl"), "input_key": "question", "output_key": "answer",
+                             "max_samples": 64, "eval_fraction": 0.1},
+                     "preference": {"path": str(root / "pairs.jsonl"), "max_samples": 96, "eval_fraction": 0.2},
+                     "prompts": {"path": str(root / "prompts.parquet"), "input_key": "question", "label_key": "word",
+                                 "max_samples": 64},
+                     "eval": {"path": str(root / "eval.jsonl"), "input_key": "question", "label_key": "word"}}}
+
+
+def build_user_model(out_dir: Path, architecture: str, texts: list[str], chat: bool) -> None:
+    """A model directory as users have them: for qwen2, a chat model whose EOS (<|endoftext|>) is not its end of turn
+    (<|im_end|>), as Qwen2's; for gpt2, a base model without a chat template."""
+    build_tiny(out_dir, {"architecture": architecture, "hidden_size": 64, "num_layers": 2, "num_heads": 2,
+                         "vocab_size": 400}, 0, texts)
+    tokenizer = AutoTokenizer.from_pretrained(out_dir)
+    tokenizer.eos_token = "<|endoftext|>"
+    if not chat:
+        tokenizer.chat_template = None
+    tokenizer.save_pretrained(out_dir)
+    (out_dir / "chat_template.jinja").unlink(missing_ok=True) if not chat else None
+    for name in ("config.json", "generation_config.json"):
+        path = out_dir / name
+        if path.exists():
+            path.write_text(json.dumps(json.loads(path.read_text()) | {"eos_token_id": tokenizer.eos_token_id}))
+
+
+def user_config(root: Path, model_dir: Path, files: dict, chat: bool, **overrides) -> Path:
+    data = files["data"] | ({} if chat else {"apply_chat_template": False, "input_template": "User: {}\nAssistant: "})
+    settings = dict(
+        experiment=root.name, seeds=None, model={"path": str(model_dir)}, data=data,
+        sft={"lora_rank": 4, "lora_alpha": 8}, reward_model={"lora_rank": 4, "lora_alpha": 8, "lora_targets": "all-linear"},
+        rl={"steps": 4, "eval_prompts": 8, "reward": files["reward"],
+            "variants": {"grpo": {"estimator": "group_norm"}, "ppo": {"estimator": "gae", "reward": "model", "lora_rank": 4}}},
+        evaluate={"models": ["base", "sft", "dpo", "grpo", "ppo"], "rewards": [files["reward"], "model"]})
+    root.mkdir(parents=True, exist_ok=True)
+    return write_config(root / "config.yaml", root / "results", **(settings | overrides))
+
+
+def run_user_experiment(root: Path, architecture: str, chat: bool) -> dict:
+    files = write_user_files(root / "my_data", chat)
+    model_dir = root / f"my-{architecture}"
+    build_user_model(model_dir, architecture, files["texts"], chat)
+    configfile = user_config(root, model_dir, files, chat)
+    proc = snakemake(configfile, "all")
+    return {"root": root, "files": files, "model_dir": model_dir, "results": root / "results" / root.name, "proc": proc,
+            "mlflow": MlflowClient(tracking_uri=f"sqlite:///{root / 'results' / 'mlflow.db'}")}
+
+
+@pytest.fixture(scope="module")
+def qwen2_run(tmp_path_factory):
+    return run_user_experiment(tmp_path_factory.mktemp("qwen2") / "user-qwen2", "qwen2", chat=True)
+
+
+@pytest.fixture(scope="module")
+def gpt2_run(tmp_path_factory):
+    return run_user_experiment(tmp_path_factory.mktemp("gpt2") / "user-gpt2", "gpt2", chat=False)
+
+
+@pytest.mark.parametrize("run_name, architecture", [("qwen2_run", "Qwen2"), ("gpt2_run", "GPT2")])
+def test_users_model_data_and_reward_through_the_whole_dag(request, run_name, architecture):
+    run = request.getfixturevalue(run_name)
+    results = run["results"]
+    table = list(csv.DictReader((results / "report" / "results.csv").open()))
+    assert [row["method"] for row in table] == ["base", "sft", "dpo", "grpo", "ppo"]
+    for row in table:  # the user's reward and the reward model's, on the user's eval prompts
+        assert 0 <= float(row["reward_said_the_word_mean"]) <= 1 and row["reward_reward_model_mean"]
+    report = (results / "report" / "report.md").read_text()
+    assert f"Base model `{run['model_dir']}`" in report and "sft.jsonl" in report and "prompts.parquet" in report
+    assert "said_the_word.py`: Did the reply say the requested word?" in report and "movie" not in report
+    samples = [json.loads(line) for line in (results / "evaluate" / "sft" / "seed0" / "samples.jsonl").open()]
+    eval_questions = {json.loads(line)["question"] for line in Path(run["files"]["data"]["eval"]["path"]).open()}
+    assert {s["input"] for s in samples} <= eval_questions
+    assert {s["label"] for s in samples} <= set(WORDS)
+    # The architecture's own heads: a sequence classifier for the reward model, a token classifier as PPO's critic.
+    assert json.loads((results / "reward_model" / "config.json").read_text())["architectures"] == [
+        f"{architecture}ForSequenceClassification"]
+    assert all("value_loss" in json.loads(line) for line in (results / "rl" / "ppo" / "seed0" / "train_log.jsonl").open())
+    assert "LoRA r4 on the default layers" in (results / "logs" / "sft.log").read_text()
+    assert "LoRA r4 on all-linear" in (results / "logs" / "reward_model.log").read_text()
+
+
+def test_responses_end_with_the_end_of_turn_not_eos(qwen2_run, gpt2_run):
+    """Qwen2's replies end with <|im_end|> though its eos_token is <|endoftext|>; a base model's with its EOS."""
+    chat_rows = [json.loads(line) for line in (qwen2_run["results"] / "preprocess" / "sft_train.jsonl").open()]
+    assert all(r["response"].endswith("<|im_end|>") and "<|endoftext|>" not in r["response"] for r in chat_rows)
+    assert all(r["prompt"].startswith("<|im_start|>user\n") for r in chat_rows)
+    pairs = [json.loads(line) for line in (qwen2_run["results"] / "preprocess" / "pairs_train.jsonl").open()]
+    assert all(p["prompt"].startswith("<|im_start|>user\n") and p["chosen"].endswith("<|im_end|>") for p in pairs)
+    base_rows = [json.loads(line) for line in (gpt2_run["results"] / "preprocess" / "sft_train.jsonl").open()]
+    assert all(r["prompt"].startswith("User: ") and r["prompt"].endswith("\nAssistant: ") for r in base_rows)
+    assert all(r["response"].endswith("<|endoftext|>") for r in base_rows)
+
+
+def test_start_from_a_given_sft_model_and_reward_model(qwen2_run, tmp_path):
+    """The SFT model and reward model of the first experiment, given to a second: nothing is trained for them, DPO
+    and RL start from them, and the report and MLflow say they were given."""
+    given_sft, given_rm = qwen2_run["results"] / "sft", qwen2_run["results"] / "reward_model"
+    root = tmp_path / "user-given"
+    configfile = user_config(
+        root, qwen2_run["model_dir"], qwen2_run["files"], chat=True, sft={"from": str(given_sft)},
+        reward_model={"from": str(given_rm)},
+        rl={"steps": 2, "eval_prompts": 8, "reward": "model", "variants": {"grpo": {"estimator": "group_norm"}}},
+        evaluate={"models": ["sft", "grpo"], "rewards": ["model"]})
+    proc = snakemake(configfile, "all")
+    assert f"sft: using the given model {given_sft} (not trained)" in proc.stdout + proc.stderr
+    results = root / "results" / "user-given"
+    sft = json.loads((results / "sft" / "metrics.json").read_text())
+    assert sft["steps"] == 0 and sft["given"] == str(given_sft) and not (results / "sft" / "train_log.jsonl").exists()
+    assert (results / "sft" / "model.safetensors").resolve() == (given_sft / "model.safetensors").resolve()
+    rm = json.loads((results / "reward_model" / "metrics.json").read_text())
+    assert rm["steps"] == 0 and rm["given"] == str(given_rm)
+    # The same pairs, the same model: the given reward model scores exactly as it did where it was trained.
+    trained = json.loads((given_rm / "metrics.json").read_text())
+    assert rm["eval_accuracy"] == trained["eval_accuracy"] and rm["reward_mean"] == pytest.approx(trained["reward_mean"])
+    for stage_dir in (results / "dpo" / "seed0", results / "rl" / "grpo" / "seed0"):
+        inputs = json.loads((stage_dir / "stage.json").read_text())["inputs"]
+        assert Path(inputs["model"]) == (results / "sft").resolve()
+    assert Path(json.loads((results / "rl" / "grpo" / "seed0" / "stage.json").read_text())["inputs"]["reward_model"]) \
+        == (results / "reward_model").resolve()
+    report = (results / "report" / "report.md").read_text()
+    assert f"SFT model: given (`{given_sft}`, not trained)" in report
+    assert f"Reward model: given (`{given_rm}`, not trained)" in report
+    client = MlflowClient(tracking_uri=f"sqlite:///{root / 'results' / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("user-given").experiment_id])
+    tags = {r.info.run_name: r.data.tags.get("alignpipe.given_model") for r in runs}
+    assert tags["sft"] == str(given_sft) and tags["reward_model"] == str(given_rm) and tags["dpo/seed0"] is None
+
+
+def test_arithmetic_task_with_a_verifiable_reward(tmp_path):
+    """The second built-in task (config/arithmetic.yaml: exact-match reward on generated sums) on a tiny Mistral."""
+    tiny = yaml.safe_load((REPO_ROOT / "config" / "tiny.yaml").read_text())
+    config = deep_merge(yaml.safe_load((REPO_ROOT / "config" / "arithmetic.yaml").read_text()), {
+        "results_dir": str(tmp_path / "results"), "seeds": None,
+        "model": {"source": "tiny", "tiny": tiny["model"]["tiny"] | {"architecture": "mistral"}},
+        **{stage: tiny[stage] for stage in ("sft", "reward_model", "dpo")},
+        "rl": {k: v for k, v in tiny["rl"].items() if k not in ("variants", "reward")} | {"steps": 4, "eval_prompts": 8},
+        "evaluate": {"num_prompts": 16, "max_new_tokens": 8}})
+    configfile = tmp_path / "arithmetic.yaml"
+    configfile.write_text(yaml.safe_dump(config))
+    snakemake(configfile, "all")
+    results = tmp_path / "results" / config["experiment"]
+    table = list(csv.DictReader((results / "report" / "results.csv").open()))
+    assert [row["method"] for row in table] == ["base", "sft", "dpo", "grpo"]  # config/default.yaml's models
+    assert all(0 <= float(row["reward_exact_match_mean"]) <= 1 for row in table)
+    prompts = [json.loads(line) for line in (results / "preprocess" / "prompts_eval.jsonl").open()]
+    assert all(p["input"].startswith("What is ") and p["label"].lstrip("-").isdigit() for p in prompts)
+    assert json.loads((results / "base_model" / "config.json").read_text())["model_type"] == "mistral"
