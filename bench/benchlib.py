@@ -42,6 +42,9 @@ class StepTimer:
     def log_artifact(self, path) -> None:
         pass
 
+    def set_tags(self, tags: dict) -> None:
+        pass
+
     def step_seconds(self) -> list[float]:
         return [b - a for a, b in zip(self.times, self.times[1:])]
 
