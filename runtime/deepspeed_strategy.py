@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from runtime.lora import apply_lora, merged_state_dict
+from runtime.lora import apply_lora, merged_state_dict, resolve_targets
 
 
 def ds_config(zero_stage: int, micro_batch_size: int, grad_accum: int, world_size: int, max_grad_norm: float) -> dict:
@@ -91,9 +91,10 @@ class DeepSpeedWorker:
         model.train()
         self.lora = cfg.lora_rank > 0
         if self.lora:
-            trainable = apply_lora(model, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets, self.TRAINS_HEAD)
-            print(f"[{type(self).__name__}] LoRA r{cfg.lora_rank} on {cfg.lora_targets or 'the default layers'}: "
-                  f"{trainable:,} of {sum(p.numel() for p in model.parameters()):,} parameters train", flush=True)
+            targets = resolve_targets(model, cfg.lora_targets)
+            trainable = apply_lora(model, cfg.lora_rank, cfg.lora_alpha, targets, self.TRAINS_HEAD)
+            print(f"[{type(self).__name__}] LoRA r{cfg.lora_rank} on {', '.join(targets)}: {trainable:,} of "
+                  f"{sum(p.numel() for p in model.parameters()):,} parameters train", flush=True)
         optimizer = torch.optim.AdamW(self.param_groups(model, cfg.learning_rate), lr=cfg.learning_rate,
                                       weight_decay=cfg.weight_decay, fused=True)
         scheduler = warmup_cosine(optimizer, cfg.warmup_steps, rank.total_steps)

@@ -26,7 +26,9 @@ class LoRALinear(torch.nn.Linear):
     def __init__(self, base: torch.nn.Module, rank: int, alpha: float):
         torch.nn.Module.__init__(self)
         self.transposed = isinstance(base, Conv1D)
-        self.in_features, self.out_features = base.weight.shape if self.transposed else base.weight.shape[::-1]
+        # (from the layer's attributes: under ZeRO-3 its weight is a partition of any shape)
+        self.in_features, self.out_features = (base.nx, base.nf) if self.transposed else (base.in_features,
+                                                                                          base.out_features)
         self.weight, self.bias = base.weight, base.bias
         self.lora_A = torch.nn.Parameter(torch.empty(rank, self.in_features, dtype=base.weight.dtype))
         self.lora_B = torch.nn.Parameter(torch.zeros(self.out_features, rank, dtype=base.weight.dtype))

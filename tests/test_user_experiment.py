@@ -129,8 +129,10 @@ def test_users_model_data_and_reward_through_the_whole_dag(request, run_name, ar
     assert json.loads((results / "reward_model" / "config.json").read_text())["architectures"] == [
         f"{architecture}ForSequenceClassification"]
     assert all("value_loss" in json.loads(line) for line in (results / "rl" / "ppo" / "seed0" / "train_log.jsonl").open())
-    assert "LoRA r4 on the default layers" in (results / "logs" / "sft.log").read_text()
-    assert "LoRA r4 on all-linear" in (results / "logs" / "reward_model.log").read_text()
+    default, every = (["c_attn"], ["c_attn", "c_fc", "c_proj"]) if architecture == "GPT2" else (
+        ["q_proj", "v_proj"], ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"])
+    assert f"LoRA r4 on {', '.join(default)}:" in (results / "logs" / "sft.log").read_text()  # the default
+    assert f"LoRA r4 on {', '.join(every)}:" in (results / "logs" / "reward_model.log").read_text()  # all-linear
 
 
 def test_responses_end_with_the_end_of_turn_not_eos(qwen2_run, gpt2_run):
