@@ -259,14 +259,14 @@ def test_loss_edit_plans_its_stages_and_dependents(tiny_run, tmp_path):
 def test_failed_stage_reports_job_and_leaves_no_output(tmp_path):
     """A stage that fails inside its job: the terminal shows job id, log path and the error; no output."""
     configfile = write_config(tmp_path / "failing.yaml", tmp_path / "results", experiment="failing",
-                              data={"num_train": 100000})
+                              data={"max_prompt_tokens": 8})  # every prompt is longer: no row left
     proc = snakemake(configfile, "all", check=False)
     output = proc.stdout + proc.stderr
     assert proc.returncode != 0
     match = re.search(r"stage preprocess failed: job (\d+), state \w+, log (\S+)", output)
     assert match, output[-4000:]
     assert "/logs/preprocess/" in match.group(2) and Path(match.group(2)).exists()
-    assert "data.num_train" in output, "the stage's own error message must reach the terminal"
+    assert "raise data.max_prompt_tokens" in output, "the stage's own error message must reach the terminal"
     results = tmp_path / "results" / "failing"
     assert (results / "base_model" / "config.json").exists()
     assert not (results / "preprocess").exists() and not (results / "preprocess.partial").exists()
