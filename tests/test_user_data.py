@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from launcher.config import stage_config
+from launcher.config import stage_config, validate_config
 from pipeline_helpers import snakemake, write_config
 from runtime import builtin_data, user_data
 from runtime.models import CHATML, train_tiny_tokenizer
@@ -17,11 +17,9 @@ def write_rows(path, rows):
     return path
 
 
-def data_block(tmp_path, **roles) -> dict:
+def data_block(**roles) -> dict:
     """The data block of a validated config whose datasets are `roles` ({role: spec overrides})."""
-    overrides = {role: spec for role, spec in roles.items()}
-    from launcher.config import validate_config
-    return validate_config({"data": overrides})["data"]
+    return validate_config({"data": roles})["data"]
 
 
 GOOD_PAIRS = [
@@ -48,7 +46,7 @@ def with_margins(rows):
 
 def test_every_bad_row_is_named_with_file_and_line(tmp_path):
     path = write_rows(tmp_path / "pairs.jsonl", with_margins([GOOD_PAIRS[0], *[row for row, _ in BAD_PAIRS]]))
-    data = data_block(tmp_path, preference={"path": str(path), "margin_key": "margin"})
+    data = data_block(preference={"path": str(path), "margin_key": "margin"})
     with pytest.raises(user_data.DataError) as err:
         user_data.check_datasets(data, tmp_path / "checked.json")
     message = str(err.value)
@@ -68,7 +66,7 @@ def test_other_roles_and_formats(tmp_path):
         {"messages": "hi"}])
     pandas.DataFrame({"text": ["2+2?", None, "3+3?"], "answer": ["4", "x", None]}).to_parquet(tmp_path / "p.parquet")
     (tmp_path / "eval.csv").write_text("text,answer\n1+1?,2\n,3\n")
-    data = data_block(tmp_path, sft={"path": str(sft), "input_key": "question", "output_key": "answer"},
+    data = data_block(sft={"path": str(sft), "input_key": "question", "output_key": "answer"},
                       prompts={"path": str(tmp_path / "p.parquet"), "input_key": "text", "label_key": "answer"},
                       eval={"path": str(tmp_path / "eval.csv"), "input_key": "text", "label_key": "answer"})
     with pytest.raises(user_data.DataError) as err:
@@ -79,7 +77,7 @@ def test_other_roles_and_formats(tmp_path):
     assert f"{tmp_path / 'p.parquet'}, row 2: missing key 'answer'" in message
     assert f"{tmp_path / 'eval.csv'}, line 3: missing key 'text'" in message
     assert "line 2" not in message.split(str(tmp_path / "eval.csv"))[0].split(str(tmp_path / "p.parquet"))[-1]
-    data = data_block(tmp_path, sft={"path": str(chat), "messages_key": "messages"})
+    data = data_block(sft={"path": str(chat), "messages_key": "messages"})
     with pytest.raises(user_data.DataError) as err:
         user_data.check_datasets(data, tmp_path / "checked.json")
     assert f"{chat}, line 2: the last message of 'messages' must be the assistant's" in str(err.value)
@@ -90,7 +88,7 @@ def test_non_utf8_missing_file_and_a_cap_on_the_list(tmp_path):
     latin = tmp_path / "latin.jsonl"
     latin.write_bytes(b'{"prompt": "ok"}\n{"prompt": "caf\xe9"}\n')
     many = write_rows(tmp_path / "many.jsonl", [{"prompt": ""}] * 30)
-    data = data_block(tmp_path, sft={"path": str(tmp_path / "nope.jsonl")}, prompts={"path": str(latin)},
+    data = data_block(sft={"path": str(tmp_path / "nope.jsonl")}, prompts={"path": str(latin)},
                       eval={"path": str(many)})
     with pytest.raises(user_data.DataError) as err:
         user_data.check_datasets(data, tmp_path / "checked.json")
@@ -101,7 +99,7 @@ def test_non_utf8_missing_file_and_a_cap_on_the_list(tmp_path):
 
 def test_a_checked_file_is_not_read_again_until_it_changes(tmp_path, monkeypatch):
     path = write_rows(tmp_path / "pairs.jsonl", [GOOD_PAIRS[0], {"prompt": "Well?", "chosen": "Yes.", "rejected": "No."}])
-    data = data_block(tmp_path, preference={"path": str(path)})
+    data = data_block(preference={"path": str(path)})
     cache = tmp_path / "checked.json"
     user_data.check_datasets(data, cache)
     reads = []
@@ -192,7 +190,7 @@ def test_a_key_must_keep_one_type_in_a_file(tmp_path):
     separate files. (Whole and decimal numbers are both numbers.)"""
     mixed = write_rows(tmp_path / "mixed.jsonl", [{"margin": 1} | GOOD_PAIRS[0], {"margin": 0.5} | GOOD_PAIRS[1]])
     with pytest.raises(user_data.DataError) as err:
-        user_data.check_datasets(data_block(tmp_path, preference={"path": str(mixed), "margin_key": "margin"}),
+        user_data.check_datasets(data_block(preference={"path": str(mixed), "margin_key": "margin"}),
                                  tmp_path / "checked.json")
     assert f"{mixed}, line 2: 'chosen' is a list here but text on line 1" in str(err.value)
     assert "'margin'" not in str(err.value)
