@@ -28,17 +28,18 @@ TEMPLATE = repo_path("reports/report_template.md")
 
 @dataclasses.dataclass
 class Config:
-    """What the report shows (evaluate.models, evaluate.rewards) and what its prose describes (model, data, rl)."""
+    """What the report shows (evaluate.models, evaluate.rewards) and what its prose describes (model, data, and
+    each rl variant's settings, merged over the rl block by the rule)."""
     models: list
     rewards: list
     model: dict
     data: dict
-    rl: dict
+    variants: dict
 
     @classmethod
     def from_params(cls, params: dict) -> "Config":
         return cls(models=params["evaluate"]["models"], rewards=params["evaluate"]["rewards"], model=params["model"],
-                   data=params["data"], rl=params["rl"])
+                   data=params["data"], variants=params["variants"])
 
 
 def describe_reward(reward: str) -> str:
@@ -54,8 +55,8 @@ def describe_experiment(cfg: Config, sft: dict, reward_model: dict) -> str:
     data = cfg.data
     base = cfg.model["path"] or cfg.model["source"]
     origin = lambda run, trained: f"given (`{run['given']}`, not trained)" if run["given"] else trained
-    variants = ", ".join(f"{name} ({settings.get('estimator', cfg.rl['estimator'])}, reward "
-                         f"{settings.get('reward', cfg.rl['reward'])})" for name, settings in cfg.rl["variants"].items())
+    variants = ", ".join(f"{name} ({settings['estimator']}, reward {settings['reward']})"
+                         for name, settings in cfg.variants.items())
     sft_data, pairs, prompts = data["sft"]["path"], data["preference"]["path"], data["prompts"]["path"]
     template = "go through the model's chat template" if data["apply_chat_template"] \
         else f"follow the template {data['input_template']!r}"
@@ -131,8 +132,7 @@ def run(cfg: Config, inputs: dict, output: Path, tracker) -> None:
                      f"{rm['reward_mean']:.3f} and std {rm['reward_std']:.3f}." if not reward_model["given"] else
                      f"Given (`{reward_model['given']}`): held-out pairwise accuracy **{rm['eval_accuracy']:.3f}** on "
                      f"{int(rm['eval_pairs'])} pairs; rewards mean {rm['reward_mean']:.3f}, std {rm['reward_std']:.3f}.",
-        rl_rewards=", ".join(sorted({describe_reward(v.get("reward", cfg.rl["reward"]))
-                                     for v in cfg.rl["variants"].values()})),
+        rl_rewards=", ".join(sorted({describe_reward(v["reward"]) for v in cfg.variants.values()})),
         rl_table=tables.markdown(rl_rows, tables.RL_COLUMNS),
         sample_model=last["run_name"].removeprefix("evaluate/"),
         samples="\n".join(f"- *{s['input']}* → {s['completion'].strip()!r} (reward {s['reward']:.2f})" for s in samples),

@@ -13,7 +13,8 @@ rule report:
     log:
         f"{RESULTS}/logs/report.log",
     params:
-        stage=stage_key("report", "evaluate", "model", "data", "rl"),
+        stage=stage_key("report", "evaluate", "model", "data",
+                        derive=lambda wc: {"variants": {name: rl_variant(config, name) for name in RL_VARIANTS}}),
         job_io=job_io,
         launch=launch,
     shell:
