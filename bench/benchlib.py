@@ -2,10 +2,16 @@
 tracker stand-in and the results file; stage configs come from launcher.config.stage_config. Each bench's
 `--tiny` mode swaps SmolLM2-135M-Instruct for the schema's tiny random Llama (model.tiny, with its trained
 tokenizer) so that tests/test_benches.py can run every bench's code path for one step in seconds.
+
+Step times (issue #16): a throughput bench's defaults time at least MIN_STEADY_STEPS steps after its warmup, and its
+results give each side's steady mean, median, min and max (`steady_stats`): one step's time varies too much (TRL's
+GRPO steps ranged 16-41 s in one invocation while response lengths varied) for a single step or a short mean.
 """
 import json
 import os
 import shutil
+import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -19,6 +25,7 @@ from runtime.job import JOB_ENV  # noqa: E402
 
 os.environ.update(JOB_ENV)  # what every stage's job and Ray worker runs with: offline hub, in-process vLLM, ...
 SIDES = ("alignpipe", "trl")
+MIN_STEADY_STEPS = 8  # the defaults time at least this many steps after the warmup
 
 
 class StepTimer:
@@ -49,6 +56,25 @@ class StepTimer:
         return [b - a for a, b in zip(self.times, self.times[1:])]
 
 
+def trl_step_timer(times: list[float]):
+    """A transformers TrainerCallback appending each optimizer step's seconds to `times`: the wall time from the end
+    of the previous step (for the first, the start of training) to the end of this one, which is what StepTimer
+    measures on alignpipe's side (the time between two steps' metrics). Between on_step_begin and on_step_end
+    instead, a step would leave out the fetching and collating of its batch."""
+    from transformers import TrainerCallback
+
+    class StepEnds(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kw):
+            self.last = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            now = time.perf_counter()
+            times.append(now - self.last)
+            self.last = now
+
+    return StepEnds()
+
+
 def default_model(tiny: bool) -> Path:
     return REPO / "results" / "bench" / ("tiny" if tiny else "smollm2-135m-instruct")
 
@@ -73,7 +99,10 @@ def add_common_args(parser, name: str, steps: int, warmup: int) -> None:
     """--model, --steps, --warmup, --tiny, --sides, --out: the options every throughput bench has."""
     parser.add_argument("--model", type=Path, help="base model directory (built there if missing; default "
                         "results/bench/smollm2-135m-instruct, with --tiny results/bench/tiny)")
-    parser.add_argument("--steps", type=int, default=steps)
+    assert steps - warmup >= MIN_STEADY_STEPS, "a bench's defaults time at least MIN_STEADY_STEPS steady steps"
+    parser.add_argument("--steps", type=int, default=steps, help=f"steps per side (default {steps}: {warmup} "
+                        f"warmup + {steps - warmup} steady; fewer than {MIN_STEADY_STEPS} steady steps only to "
+                        f"check the code path)")
     parser.add_argument("--warmup", type=int, help=f"first steps left out of the steady-state figures "
                         f"(default {warmup}, at most --steps - 1)")
     parser.add_argument("--tiny", action="store_true", help="the schema's tiny random model instead of SmolLM2: "
@@ -100,6 +129,55 @@ def finish_args(parser, args) -> None:
     args.model = args.model or default_model(args.tiny)
     if args.out is None:
         args.out = REPO / ("results/bench/tiny" if args.tiny else "bench/results") / f"{args.bench_name}.json"
+    if not args.tiny and not args.only and args.steps - args.warmup < MIN_STEADY_STEPS:
+        print(f"[bench] note: {args.steps - args.warmup} steady steps (< {MIN_STEADY_STEPS}): the figures are not "
+              f"comparable with docs/benchmarks.md's", file=sys.stderr, flush=True)
+
+
+def steady_stats(times: list[float], warmup: int) -> dict:
+    """Mean, median, min and max of the step times after the first `warmup`, and how many there are."""
+    steady = times[warmup:]
+    return {"mean": statistics.fmean(steady), "median": statistics.median(steady), "min": min(steady),
+            "max": max(steady), "steps": len(steady)}
+
+
+def side_results(times: list[float], warmup: int, rate_key: str, items_per_step: int) -> dict:
+    """A side's entry in the results file: every step's seconds, the steady mean (`steady_seconds_per_step`) and
+    the rate it gives (`rate_key`: items_per_step per steady second), and `steady_step_seconds` (steady_stats)."""
+    stats = steady_stats(times, warmup)
+    return {"step_seconds": times, "steady_seconds_per_step": stats["mean"],
+            rate_key: items_per_step / stats["mean"], "steady_step_seconds": stats}
+
+
+def describe(side: str, result: dict, rate_key: str, unit: str) -> str:
+    """One side's printed summary line."""
+    s = result["steady_step_seconds"]
+    return (f"{side}: {result[rate_key]:.3f} {unit}/s, steady s/step mean {s['mean']:.2f} median {s['median']:.2f} "
+            f"min {s['min']:.2f} max {s['max']:.2f} over {s['steps']} steps")
+
+
+def run_side(script: str, side: str, argv: list[str], steps: int) -> tuple[list[float], list[str]]:
+    """Run one side in its own process (`script --only side *argv`): neither side inherits the other's threads or
+    memory. Its step times (the `STEP_TIMES` line) and its stdout lines; exits with its output if it failed."""
+    out = subprocess.run([sys.executable, script, "--only", side, *argv], capture_output=True, text=True)
+    lines = out.stdout.splitlines()
+    found = tagged(lines, "STEP_TIMES")
+    if out.returncode != 0 or not found:
+        sys.exit(f"{side} failed:\n{out.stdout[-3000:]}\n{out.stderr[-5000:]}")
+    times = found[0]
+    if len(times) != steps:
+        sys.exit(f"{side} ran {len(times)} steps, not {steps}:\n{out.stdout[-3000:]}")
+    return times, lines
+
+
+def emit(tag: str, value) -> None:
+    """Print `value` as a JSON line tagged `tag`, for the parent process (`tagged`)."""
+    print(f"{tag} {json.dumps(value)}", flush=True)
+
+
+def tagged(lines: list[str], tag: str) -> list:
+    """The values of the lines `emit` printed with `tag`, in order."""
+    return [json.loads(line.removeprefix(tag + " ")) for line in lines if line.startswith(tag + " ")]
 
 
 def write_results(path: Path, results: dict) -> None:

@@ -1,38 +1,77 @@
-"""DPO training throughput: alignpipe's DPO stage machinery vs TRL's DPOTrainer, same model/data/batch.
+"""DPO training throughput: alignpipe's DPO stage machinery vs TRL's DPOTrainer, same model/data/batches/tokens.
 
-    make bench-dpo        # or: .venv/bin/python bench/dpo_throughput.py --steps 8
+    make bench-dpo        # or: .venv/bin/python bench/dpo_throughput.py   (10 steps, the first 2 excluded)
     .venv/bin/python bench/dpo_throughput.py --tiny --steps 1 --sides alignpipe   # the code path only (tests)
-Both train the same SmolLM2-135M-Instruct on the same generated IMDB preference pairs (prompt <= 64 tokens,
-responses cut at 48), global batch 8, sigmoid DPO with beta 0.1, fp32, on all of this machine's cores:
-alignpipe as the demo's trainer in Ray actors (`--zero-stage`/`--workers`, default one ZeRO-0 rank with every
-core; `--workers 2 --zero-stage 2` for two ZeRO-2 ranks of one core each), TRL as one process.
-Steady-state pairs/s excludes the first `--warmup` steps. Results go to bench/results/dpo_throughput.json
-(`--out`). alignpipe's stage settings not named here are the schema's defaults (launcher.config.stage_config).
+Both train SmolLM2-135M-Instruct with sigmoid DPO, beta 0.1, fp32, on all of this machine's cores, and do the same
+work per step:
+- the same pairs in the same steps: the generated IMDB preference pairs (prompt <= 64 tokens, responses cut at 48
+  by the preprocess stage's code), one epoch in the order alignpipe's trainer takes them (`trainer.fit`'s seeded
+  shuffle, replayed here and checked against fit's log), given to TRL in that order (sequential sampling);
+- the same tokens: TRL gets the token ids alignpipe's `pair_batch` makes (prompt and each response encoded apart,
+  no special tokens), not its own tokenization, which would append EOS to the responses cut at 48 tokens and
+  tokenize prompt+response as one text (its `_prepare_dataset` is bypassed for that); no sequence is longer than
+  TRL's max_length (64 + 48), so neither side truncates;
+- the same batches: global batch 8 in micro-batches of 4 pairs (alignpipe's micro_batch_size 4; TRL
+  per_device_train_batch_size 4 x gradient_accumulation_steps 2), each micro-batch one right-padded batch of its 4
+  prompt+chosen then its 4 prompt+rejected sequences (to the longest of the 8, no pad-to-multiple) through the
+  policy and through the frozen reference;
+- learning rate the dpo stage's (5e-6 here), no warmup, no gradient checkpointing (TRL 1.16 defaults to it; the
+  stage's schema default is off).
+Not equal: how each does it. alignpipe: the demo's trainer in Ray actors (`--zero-stage`/`--workers`, default one
+ZeRO-0 rank with every core; `--workers 2 --zero-stage 2` for two ZeRO-2 ranks of one core each, which then take
+one micro-batch each), DeepSpeed, its output layer over the response positions only; TRL: one process,
+transformers' Trainer and optimizer, its fused LM-head log-probs.
+A step's time is the wall time between two steps' ends (alignpipe: its metrics arriving; TRL: on_step_end). The
+results (bench/results/dpo_throughput.json, `--out`) give each side's steady mean, median, min and max over the
+steps after `--warmup`, and pairs/s by the mean. alignpipe's stage settings not named here are the schema's
+defaults (launcher.config.stage_config).
 """
 import argparse
-import json
 import os
-import statistics
+import random
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-from benchlib import StepTimer, add_common_args, base_model, finish_args, write_results
+from benchlib import (StepTimer, add_common_args, base_model, describe, emit, finish_args, run_side, side_results,
+                      trl_step_timer, write_results)
 from launcher.config import stage_config  # noqa: E402  (benchlib puts the repository on sys.path)
 
 MAX_PROMPT_TOKENS, MAX_RESPONSE_TOKENS = 64, 48
 
 
 def make_pairs(model_dir: Path, count: int) -> list[dict]:
-    """`count` preference pairs of the built-in IMDB dataset, as the preprocess stage makes them."""
+    """`count` preference pairs of the built-in IMDB dataset, as the preprocess stage makes them, numbered."""
     from stages import preprocess
     from runtime.models import load_tokenizer
-    cfg = stage_config(preprocess, {"seed": 0, "data": {"max_prompt_tokens": MAX_PROMPT_TOKENS, "long_responses": "truncate",
+    cfg = stage_config(preprocess, {"seed": 0, "data": {"max_prompt_tokens": MAX_PROMPT_TOKENS,
+                                                          "long_responses": "truncate",
                                                           "max_response_tokens": MAX_RESPONSE_TOKENS}}, "data")
     formatter = preprocess.Formatter(cfg, load_tokenizer(model_dir))
     raw = preprocess.read_rows("preference", cfg.preference | {"max_samples": 2 * count}, cfg, formatter)
-    return [pair for r in raw if (pair := formatter.pair(r, cfg.preference))][:count]
+    pairs = [pair for r in raw if (pair := formatter.pair(r, cfg.preference))][:count]
+    if len(pairs) < count:
+        sys.exit(f"only {len(pairs)} pairs for {count}: fewer --steps or a smaller --batch")
+    return [{"id": i, **pair} for i, pair in enumerate(pairs)]
+
+
+def dpo_config(batch: int, zero_stage: int, workers: int):
+    """The dpo stage's Config from the schema's defaults, with what the bench compares (batch, one epoch, sigmoid
+    DPO with beta 0.1, learning rate 5e-6 without warmup) and the trainer layout set here; TRL's side takes its
+    batch layout, learning rate, beta and seed from it too."""
+    from stages import dpo
+    return stage_config(dpo, {"seed": 0, "dpo": {"zero_stage": zero_stage, "num_workers": workers, "epochs": 1,
+                                                  "batch_size": batch, "micro_batch_size": batch // 2,
+                                                  "learning_rate": 5e-6, "warmup_steps": 0, "checkpoint_every": 0,
+                                                  "loss": "dpo", "beta": 0.1}})
+
+
+def step_batches(pairs: list[dict], batch: int, steps: int, seed: int) -> list[list[dict]]:
+    """Each step's pairs as alignpipe's `trainer.fit` takes them: one epoch over the first steps x batch pairs,
+    shuffled by `seed` (fit's shuffle replayed; bench_alignpipe checks it against fit's log)."""
+    order = pairs[:steps * batch]
+    random.Random(seed).shuffle(order)
+    return [order[s * batch:(s + 1) * batch] for s in range(steps)]
 
 
 def bench_alignpipe(model_dir: Path, pairs: list[dict], batch: int, steps: int, zero_stage: int,
@@ -42,92 +81,90 @@ def bench_alignpipe(model_dir: Path, pairs: list[dict], batch: int, steps: int, 
     from runtime import trainer
     ray.init(num_cpus=os.cpu_count(), include_dashboard=False, logging_level="WARNING",
              _temp_dir=tempfile.mkdtemp(prefix="ray-bench-", dir="/tmp"))
-    # The dpo stage's Config from the schema's defaults; set here only what the bench compares (TRL's side
-    # below: batch, one epoch, sigmoid DPO with beta 0.1, learning rate 5e-6 without warmup) and the trainer layout.
-    cfg = stage_config(dpo, {"seed": 0, "dpo": {"zero_stage": zero_stage, "num_workers": workers, "epochs": 1,
-                                                 "batch_size": batch, "micro_batch_size": batch // 2,
-                                                 "learning_rate": 5e-6, "warmup_steps": 0, "checkpoint_every": 0,
-                                                 "loss": "dpo", "beta": 0.1}})
+    cfg = dpo_config(batch, zero_stage, workers)
+    if getattr(cfg, "gradient_checkpointing", False):
+        sys.exit("the dpo stage's schema now checkpoints gradients: TRL's side runs without (set it here)")
     timer = StepTimer()
     group = trainer.start_workers(dpo.DPOWorker, cfg, model_dir, steps, timer)
     timer.start()
-    trainer.fit(group, cfg, pairs[:steps * batch], "alignpipe-dpo", timer)
+    log = trainer.fit(group, cfg, pairs[:steps * batch], "alignpipe-dpo", timer)
     group.shutdown()
     ray.shutdown()
+    if [entry["rows"] for entry in log] != [[p["id"] for p in b] for b in step_batches(pairs, batch, steps, cfg.seed)]:
+        sys.exit("trainer.fit no longer takes the pairs in the order step_batches replays: update step_batches, "
+                 "or TRL's side trains on other batches")
     return timer.step_seconds()
 
 
-def bench_trl(model_dir: Path, pairs: list[dict], batch: int, steps: int) -> list[float]:
+def bench_trl(model_dir: Path, pairs: list[dict], batch: int, steps: int, zero_stage: int,
+              workers: int) -> list[float]:
     import torch
     from datasets import Dataset
-    from transformers import TrainerCallback
     from trl import DPOConfig, DPOTrainer
     from runtime.models import load_causal_lm, load_tokenizer
     torch.set_num_threads(os.cpu_count())
+    cfg = dpo_config(batch, zero_stage, workers)
+    tokenizer = load_tokenizer(model_dir)
+    encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]  # as runtime.logprobs.pair_batch
+    rows = [{"prompt_ids": encode(p["prompt"]), "chosen_ids": encode(p["chosen"]),
+             "rejected_ids": encode(p["rejected"])} for b in step_batches(pairs, batch, steps, cfg.seed) for p in b]
+    max_length = MAX_PROMPT_TOKENS + MAX_RESPONSE_TOKENS
+    longest = max(len(r["prompt_ids"]) + max(len(r["chosen_ids"]), len(r["rejected_ids"])) for r in rows)
+    if longest > max_length:
+        sys.exit(f"a pair of {longest} tokens: TRL would truncate it to {max_length}, alignpipe would not")
+
+    class SameTokensDPOTrainer(DPOTrainer):
+        def _prepare_dataset(self, dataset, processing_class, args, dataset_name):
+            return dataset  # already tokenized as alignpipe's pair_batch tokenizes
+
     times = []
-
-    class Timer(TrainerCallback):
-        def on_step_begin(self, args, state, control, **kw):
-            times.append(time.perf_counter())
-
-        def on_step_end(self, args, state, control, **kw):
-            times[-1] = time.perf_counter() - times[-1]
-
-    rows = [{"prompt": p["prompt"], "chosen": p["chosen"], "rejected": p["rejected"]} for p in pairs[:steps * batch]]
-    args = DPOConfig(output_dir=tempfile.mkdtemp(prefix="trl-bench-"), per_device_train_batch_size=batch,
-                     max_steps=steps, learning_rate=5e-6, beta=0.1, loss_type=["sigmoid"],
-                     max_length=MAX_PROMPT_TOKENS + MAX_RESPONSE_TOKENS, use_cpu=True, report_to=[], logging_steps=1,
-                     save_strategy="no", seed=0, warmup_steps=0,
-                     dataloader_num_workers=0, bf16=False, fp16=False)
-    trainer = DPOTrainer(model=load_causal_lm(model_dir), ref_model=load_causal_lm(model_dir), args=args,
-                         train_dataset=Dataset.from_list(rows), processing_class=load_tokenizer(model_dir),
-                         callbacks=[Timer()])
+    args = DPOConfig(output_dir=tempfile.mkdtemp(prefix="trl-bench-"), per_device_train_batch_size=cfg.micro_batch_size,
+                     gradient_accumulation_steps=batch // cfg.micro_batch_size, train_sampling_strategy="sequential",
+                     max_steps=steps, learning_rate=cfg.learning_rate, beta=cfg.beta, loss_type=["sigmoid"],
+                     max_length=max_length, gradient_checkpointing=False, use_cpu=True, report_to=[],
+                     logging_steps=1, save_strategy="no", seed=cfg.seed, warmup_steps=0, dataloader_num_workers=0,
+                     bf16=False, fp16=False)
+    trainer = SameTokensDPOTrainer(model=load_causal_lm(model_dir), ref_model=load_causal_lm(model_dir), args=args,
+                                   train_dataset=Dataset.from_list(rows), processing_class=tokenizer,
+                                   callbacks=[trl_step_timer(times)])
     trainer.train()
     return times
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_common_args(parser, "dpo_throughput", steps=8, warmup=2)
-    parser.add_argument("--batch", type=int, default=8)
+    add_common_args(parser, "dpo_throughput", steps=10, warmup=2)
+    parser.add_argument("--batch", type=int, default=8, help="pairs per step, in two micro-batches (even)")
     parser.add_argument("--zero-stage", type=int, default=0, choices=[0, 1, 2, 3])
     parser.add_argument("--workers", type=int, default=1, choices=[1, 2], help="alignpipe's DeepSpeed ranks")
     args = parser.parse_args()
     finish_args(parser, args)
+    if args.batch < 2 or args.batch % 2:
+        parser.error("--batch must be even")
     if args.only:
         pairs = make_pairs(args.model, args.steps * args.batch)
-        times = bench_alignpipe(args.model, pairs, args.batch, args.steps, args.zero_stage, args.workers) \
-            if args.only == "alignpipe" else bench_trl(args.model, pairs, args.batch, args.steps)
-        print("STEP_TIMES " + json.dumps(times), flush=True)
+        bench = bench_alignpipe if args.only == "alignpipe" else bench_trl
+        emit("STEP_TIMES", bench(args.model, pairs, args.batch, args.steps, args.zero_stage, args.workers))
         return
-    import subprocess
     base_model(args.model, args.tiny)
     results = {}
-    for side in args.sides:  # separate processes: neither inherits the other's threads or memory
-        out = subprocess.run([sys.executable, __file__, "--only", side, "--model", str(args.model), "--steps",
-                              str(args.steps), "--warmup", str(args.warmup), "--batch", str(args.batch),
-                              "--zero-stage", str(args.zero_stage), "--workers", str(args.workers)],
-                             capture_output=True, text=True)
-        line = [l for l in out.stdout.splitlines() if l.startswith("STEP_TIMES ")]
-        if out.returncode != 0 or not line:
-            sys.exit(f"{side} failed:\n{out.stdout[-3000:]}\n{out.stderr[-5000:]}")
-        times = json.loads(line[0].removeprefix("STEP_TIMES "))
-        if len(times) != args.steps:
-            sys.exit(f"{side} ran {len(times)} steps, not {args.steps}:\n{out.stdout[-3000:]}")
-        steady = times[args.warmup:]
-        results[side] = {"step_seconds": times, "steady_seconds_per_step": statistics.fmean(steady),
-                         "pairs_per_second": args.batch / statistics.fmean(steady)}
-        print(f"{side}: {results[side]['pairs_per_second']:.3f} pairs/s "
-              f"({results[side]['steady_seconds_per_step']:.2f} s/step)", flush=True)
+    for side in args.sides:
+        times, _ = run_side(__file__, side, ["--model", str(args.model), "--steps", str(args.steps), "--warmup",
+                                             str(args.warmup), "--batch", str(args.batch), "--zero-stage",
+                                             str(args.zero_stage), "--workers", str(args.workers)], args.steps)
+        results[side] = side_results(times, args.warmup, "pairs_per_second", args.batch)
+        print(describe(side, results[side], "pairs_per_second", "pairs"), flush=True)
     results["setup"] = {"model": "tiny (schema model.tiny)" if args.tiny else "SmolLM2-135M-Instruct",
-                        "batch": args.batch, "steps": args.steps, "sides": args.sides,
+                        "batch": args.batch, "micro_batch": args.batch // 2, "steps": args.steps, "sides": args.sides,
                         "alignpipe_trainer": f"{args.workers} rank(s), ZeRO-{args.zero_stage}",
                         "warmup_steps_excluded": args.warmup, "max_prompt_tokens": MAX_PROMPT_TOKENS,
-                        "max_response_tokens": MAX_RESPONSE_TOKENS}
+                        "max_response_tokens": MAX_RESPONSE_TOKENS, "gradient_checkpointing": False,
+                        "same_batches_and_tokens": True}
     write_results(args.out, results)
     if "alignpipe" in results and "trl" in results:
-        print(f"ratio alignpipe/trl: "
-              f"{results['alignpipe']['pairs_per_second'] / results['trl']['pairs_per_second']:.2f}")
+        a, t = results["alignpipe"]["steady_step_seconds"], results["trl"]["steady_step_seconds"]
+        print(f"speed-up alignpipe vs trl: {t['mean'] / a['mean']:.2f}x by mean s/step, "
+              f"{t['median'] / a['median']:.2f}x by median", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,32 +1,47 @@
-"""GRPO step throughput: alignpipe's rl stage machinery vs TRL's GRPOTrainer, same model/data/batch.
+"""GRPO step throughput: alignpipe's rl stage machinery vs TRL's GRPOTrainer, same model/data/batch/lengths.
 
-    make bench-grpo       # or: .venv/bin/python bench/grpo_throughput.py --steps 4
+    make bench-grpo       # or: .venv/bin/python bench/grpo_throughput.py   (9 steps, the first excluded)
     .venv/bin/python bench/grpo_throughput.py --tiny --steps 1 --sides alignpipe   # the code path only (tests)
-Both run GRPO on SmolLM2-135M-Instruct with the same IMDB-opening prompts, 4 prompts x 4 samples per step,
-32 new tokens, the same reward function (config/rewards/sentiment.py), batch 16, fp32, on all of this
-machine's cores. alignpipe: the demo's policy trainer (`--zero-stage`/`--workers`, default one ZeRO-0 rank
-with every core), a reference actor and a vLLM engine as Ray actors, weights synced to vLLM every step.
-TRL: one process, generation with transformers' generate.
-Steady-state seconds per step exclude the first `--warmup` steps; results in bench/results/grpo_throughput.json
-(`--out`). alignpipe's stage settings not named here are the schema's defaults (launcher.config.stage_config).
+Both run GRPO on SmolLM2-135M-Instruct, fp32, on all of this machine's cores, and do the same work per step:
+- the same prompts in the same steps: the IMDB-opening prompts in order, step s gets prompts 4s..4s+3 (TRL with
+  shuffle_dataset=False), 4 samples each, temperature and top_p the rl stage's (1.0, 1.0 by default);
+- every response exactly 32 new tokens (issue #16: with responses ending at EOS a step's time followed its response
+  lengths, and one invocation's TRL steps ranged 16-41 s): alignpipe's vLLM samples with `ignore_eos` (no stop
+  token), TRL's `generate` with `min_new_tokens` = `max_new_tokens` (EOS never sampled); each side checks that
+  every response it trained on had exactly 32 tokens, and the results give their min and max (`response_tokens`);
+- the same reward function (config/rewards/sentiment.py); KL to the reference as a loss term (beta 0.01);
+- one optimizer step of 16 samples per rollout, in micro-batches of 4 (alignpipe's micro_batch_size 4; TRL
+  per_device_train_batch_size 4 x gradient_accumulation_steps 4), so neither needs the old policy's log-probs;
+- no gradient checkpointing (TRL 1.16 defaults to it; the rl stage's schema default is off).
+Not equal: how each does it. alignpipe: the demo's policy trainer (`--zero-stage`/`--workers`, default one ZeRO-0
+rank with every core), a reference actor and a vLLM engine as Ray actors, vLLM sampling, the trainer's weights
+handed to vLLM in memory after every step (`stages.rl.sync_weights`). TRL: one process, sampling with transformers'
+`generate` from the training model (nothing to sync), its own reference pass. vLLM may sample EOS inside a response
+and go on (the tokens are computed either way); TRL suppresses it. Prompt padding: alignpipe right-pads
+prompt+response, TRL left-pads prompts to the batch's longest.
+A step's time is the wall time of one rollout-and-train step (TRL: between consecutive step ends, benchlib); the
+results (bench/results/grpo_throughput.json, `--out`) give each side's steady mean, median, min and max over the
+steps after `--warmup`, and alignpipe's seconds per phase (generate, make_experience, train, weight_sync) with the
+weight sync's own statistics. alignpipe's stage settings not named here are the schema's defaults
+(launcher.config.stage_config).
 """
 import argparse
-import json
 import os
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from benchlib import REPO, StepTimer, add_common_args, base_model, finish_args, write_results
+from benchlib import (REPO, StepTimer, add_common_args, base_model, describe, emit, finish_args, run_side,
+                      side_results, steady_stats, tagged, trl_step_timer, write_results)
 from launcher.config import stage_config  # noqa: E402  (benchlib puts the repository on sys.path)
 
-PROMPTS, SAMPLES, NEW_TOKENS, MAX_PROMPT_TOKENS = 4, 4, 32, 64
+PROMPTS, SAMPLES, NEW_TOKENS, MAX_PROMPT_TOKENS, MICRO_BATCH = 4, 4, 32, 64, 4
 CORES = os.cpu_count()
 REWARD_FILE = REPO / "config" / "rewards" / "sentiment.py"
+PHASES = ("generate", "make_experience", "train", "weight_sync")
 
 
 def prompts(model_dir: Path, count: int) -> list[dict]:
@@ -38,7 +53,30 @@ def prompts(model_dir: Path, count: int) -> list[dict]:
     formatter = preprocess.Formatter(cfg, load_tokenizer(model_dir))
     raw = preprocess.read_rows("prompts", cfg.prompts | {"max_samples": 2 * count}, cfg, formatter)
     rows = [row for r in raw if (row := formatter.prompt_row(r, cfg.prompts, "prompts"))][:count]
+    if len(rows) < count:
+        sys.exit(f"only {len(rows)} prompts for {count}: fewer --steps")
     return [{"id": i, **r} for i, r in enumerate(rows)]
+
+
+def rl_config(steps: int, zero_stage: int, workers: int):
+    """The rl stage's Config for variant grpo from the schema's defaults, with what the bench compares and the
+    trainer layout set here; TRL's side takes its sampling settings and learning rate from it too."""
+    from stages import rl
+    return stage_config(rl, {"seed": 0, "rl": {"estimator": "group_norm", "rollout_batch_size": PROMPTS,
+                                               "n_samples": SAMPLES, "max_new_tokens": NEW_TOKENS,
+                                               "batch_size": PROMPTS * SAMPLES, "micro_batch_size": MICRO_BATCH,
+                                               "reward": str(REWARD_FILE.relative_to(REPO)),
+                                               "normalize_reward": False, "steps": steps,
+                                               # TRL's GRPO: the KL to the reference (beta 0.01) is a loss term
+                                               "kl_in_reward": False, "kl_coef": 0.01,
+                                               "zero_stage": zero_stage, "num_workers": workers}})
+
+
+def check_lengths(side: str, lengths: list[int]) -> None:
+    """Every response exactly NEW_TOKENS tokens, or the two sides did not do the same work."""
+    emit("RESPONSE_TOKENS", {"min": min(lengths), "max": max(lengths), "responses": len(lengths)})
+    if min(lengths) != NEW_TOKENS or max(lengths) != NEW_TOKENS:
+        sys.exit(f"{side}: responses of {min(lengths)}-{max(lengths)} tokens, not all exactly {NEW_TOKENS}")
 
 
 def bench_alignpipe(model_dir: Path, rows: list[dict], steps: int, zero_stage: int, workers: int) -> list[float]:
@@ -49,114 +87,116 @@ def bench_alignpipe(model_dir: Path, rows: list[dict], steps: int, zero_stage: i
     from runtime.rl_actors import Roles
     ray.init(num_cpus=CORES, include_dashboard=False, _temp_dir=tempfile.mkdtemp(prefix="ray-bench-", dir="/tmp"),
              logging_level="WARNING")
-    # The rl stage's Config for variant grpo from the schema's defaults; set here only what the bench compares
-    # and the trainer layout.
-    cfg = stage_config(rl, {"seed": 0, "rl": {"estimator": "group_norm", "rollout_batch_size": PROMPTS,
-                                              "n_samples": SAMPLES, "max_new_tokens": NEW_TOKENS, "batch_size": 16,
-                                              "micro_batch_size": 4, "reward": str(REWARD_FILE.relative_to(REPO)),
-                                              "normalize_reward": False, "steps": steps,
-                                              # TRL's GRPO: the KL to the reference (beta 0.01) is a loss term
-                                              "kl_in_reward": False, "kl_coef": 0.01,
-                                              "zero_stage": zero_stage, "num_workers": workers}})
+    cfg = rl_config(steps, zero_stage, workers)
+    if getattr(cfg, "gradient_checkpointing", False):
+        sys.exit("the rl stage's schema now checkpoints gradients: TRL's side runs without (set it here)")
     tokenizer = load_tokenizer(model_dir)
     for r in rows:
         r["prompt_ids"] = tokenizer(r["prompt"], add_special_tokens=False)["input_ids"]
     # The rule's inputs (workflow/rules/rl.smk): the policy to start from and, with a reward file, that file.
     roles = Roles(cfg, {"model": model_dir, "reward_file": REWARD_FILE}, steps, CORES,
                   MAX_PROMPT_TOKENS + NEW_TOKENS + 8, StepTimer())
-    sync_dir = Path(tempfile.mkdtemp(prefix="sync-"))
-    times = []
+    times, lengths = [], []
     for s in range(steps):
         batch = rows[s * PROMPTS:(s + 1) * PROMPTS]
         phases = {}
         t0 = time.perf_counter()
-        samples = experience.generate(roles, batch, SAMPLES, cfg, s * 1000, cfg.temperature)
+        samples = experience.generate(roles, batch, SAMPLES, cfg, s * 1000, cfg.temperature, ignore_eos=True)
         phases["generate"] = time.perf_counter() - t0
         experience.make_experience(roles, cfg, samples, cfg.kl_coef, {"mean": 0.0, "std": 1.0})
         phases["make_experience"] = time.perf_counter() - t0 - sum(phases.values())
         rl.train_on(roles.policy, cfg, samples, random.Random(s))
         phases["train"] = time.perf_counter() - t0 - sum(phases.values())
-        rl.sync_weights(roles, sync_dir, model_dir)
+        rl.sync_weights(roles)
         phases["weight_sync"] = time.perf_counter() - t0 - sum(phases.values())
         times.append(time.perf_counter() - t0)
-        print("PHASES " + json.dumps(phases), flush=True)
+        lengths += [len(r) for r in samples.response_ids]
+        emit("PHASES", phases)
     ray.shutdown()
+    check_lengths("alignpipe", lengths)
     return times
 
 
-def bench_trl(model_dir: Path, rows: list[dict], steps: int) -> list[float]:
+def bench_trl(model_dir: Path, rows: list[dict], steps: int, zero_stage: int, workers: int) -> list[float]:
     import importlib.util
     import torch
     from datasets import Dataset
-    from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
     from runtime.models import load_causal_lm, load_tokenizer
     torch.set_num_threads(CORES)
+    cfg = rl_config(steps, zero_stage, workers)
     spec = importlib.util.spec_from_file_location("reward", REWARD_FILE)
     reward_module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(reward_module)
+    lengths, batches = [], []
 
-    def sentiment_reward(prompts, completions, **kw):
+    def sentiment_reward(prompts, completions, completion_ids, **kw):
+        lengths.extend(len(ids) for ids in completion_ids)  # what TRL trains on: after its cut at the first EOS
+        batches.append(sorted(set(prompts)))
         return reward_module.reward_fn(prompts, completions, None)
 
     times = []
-
-    class Timer(TrainerCallback):
-        def on_step_begin(self, args, state, control, **kw):
-            times.append(time.perf_counter())
-
-        def on_step_end(self, args, state, control, **kw):
-            times[-1] = time.perf_counter() - times[-1]
-
-    args = GRPOConfig(output_dir=tempfile.mkdtemp(prefix="trl-bench-"), per_device_train_batch_size=PROMPTS * SAMPLES,
-                      num_generations=SAMPLES, max_completion_length=NEW_TOKENS, max_steps=steps,
-                      learning_rate=1e-6, beta=0.01, use_cpu=True, report_to=[], logging_steps=1,
-                      save_strategy="no", seed=0, bf16=False, fp16=False, dataloader_num_workers=0)
+    args = GRPOConfig(output_dir=tempfile.mkdtemp(prefix="trl-bench-"), per_device_train_batch_size=MICRO_BATCH,
+                      gradient_accumulation_steps=PROMPTS * SAMPLES // MICRO_BATCH, num_generations=SAMPLES,
+                      max_completion_length=NEW_TOKENS, generation_kwargs={"min_new_tokens": NEW_TOKENS},
+                      temperature=cfg.temperature, top_p=cfg.top_p, shuffle_dataset=False,
+                      gradient_checkpointing=False, max_steps=steps, learning_rate=cfg.learning_rate,
+                      beta=cfg.kl_coef, use_cpu=True, report_to=[], logging_steps=1, save_strategy="no", seed=0,
+                      bf16=False, fp16=False, dataloader_num_workers=0)
     trainer = GRPOTrainer(model=load_causal_lm(model_dir), reward_funcs=sentiment_reward, args=args,
                           train_dataset=Dataset.from_list([{"prompt": r["prompt"]} for r in rows]),
-                          processing_class=load_tokenizer(model_dir), callbacks=[Timer()])
+                          processing_class=load_tokenizer(model_dir), callbacks=[trl_step_timer(times)])
     trainer.train()
+    expected = [sorted({r["prompt"] for r in rows[s * PROMPTS:(s + 1) * PROMPTS]}) for s in range(steps)]
+    if batches != expected:
+        sys.exit("trl: its steps' prompts are not alignpipe's (prompts 4s..4s+3 in step s)")
+    check_lengths("trl", lengths)
     return times
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_common_args(parser, "grpo_throughput", steps=5, warmup=1)
+    add_common_args(parser, "grpo_throughput", steps=9, warmup=1)
     parser.add_argument("--zero-stage", type=int, default=0, choices=[0, 1, 2, 3])
     parser.add_argument("--workers", type=int, default=1, help="alignpipe's policy ranks (DeepSpeed)")
     args = parser.parse_args()
     finish_args(parser, args)
     if args.only:
         rows = prompts(args.model, args.steps * PROMPTS)
-        times = bench_alignpipe(args.model, rows, args.steps, args.zero_stage, args.workers) \
-            if args.only == "alignpipe" else bench_trl(args.model, rows, args.steps)
-        print("STEP_TIMES " + json.dumps(times), flush=True)
+        bench = bench_alignpipe if args.only == "alignpipe" else bench_trl
+        emit("STEP_TIMES", bench(args.model, rows, args.steps, args.zero_stage, args.workers))
         return
     base_model(args.model, args.tiny)
     results = {}
-    for side in args.sides:  # separate processes: neither inherits the other's threads or memory
-        out = subprocess.run([sys.executable, __file__, "--only", side, "--model", str(args.model), "--steps",
-                              str(args.steps), "--warmup", str(args.warmup), "--zero-stage", str(args.zero_stage),
-                              "--workers", str(args.workers)], capture_output=True, text=True)
-        line = [l for l in out.stdout.splitlines() if l.startswith("STEP_TIMES ")]
-        if out.returncode != 0 or not line:
-            sys.exit(f"{side} failed:\n{out.stdout[-3000:]}\n{out.stderr[-5000:]}")
-        times = json.loads(line[0].removeprefix("STEP_TIMES "))
-        if len(times) != args.steps:
-            sys.exit(f"{side} ran {len(times)} steps, not {args.steps}:\n{out.stdout[-3000:]}")
-        steady = statistics.fmean(times[args.warmup:])
-        results[side] = {"step_seconds": times, "steady_seconds_per_step": steady,
-                         "samples_per_second": PROMPTS * SAMPLES / steady}
-        phases = [json.loads(l.removeprefix("PHASES ")) for l in out.stdout.splitlines() if l.startswith("PHASES ")]
-        if phases:  # alignpipe's steady seconds per phase
-            results[side]["phase_seconds"] = {k: statistics.fmean(p[k] for p in phases[args.warmup:])
-                                              for k in phases[0]}
-        print(f"{side}: {steady:.2f} s/step, {PROMPTS * SAMPLES / steady:.3f} samples/s", flush=True)
+    for side in args.sides:
+        times, lines = run_side(__file__, side, ["--model", str(args.model), "--steps", str(args.steps), "--warmup",
+                                                 str(args.warmup), "--zero-stage", str(args.zero_stage),
+                                                 "--workers", str(args.workers)], args.steps)
+        result = results[side] = side_results(times, args.warmup, "samples_per_second", PROMPTS * SAMPLES)
+        result["response_tokens"] = tagged(lines, "RESPONSE_TOKENS")[0]
+        print(describe(side, result, "samples_per_second", "samples"), flush=True)
+        if phases := tagged(lines, "PHASES"):  # alignpipe's seconds per phase, every step
+            steady = phases[args.warmup:]
+            result["phase_step_seconds"] = phases
+            result["phase_seconds"] = {k: statistics.fmean(p[k] for p in steady) for k in PHASES}
+            result["weight_sync_seconds"] = steady_stats([p["weight_sync"] for p in phases], args.warmup)
+            sync = result["weight_sync_seconds"]
+            print(f"{side} steady s/step per phase: " + ", ".join(f"{k} {v:.2f}" for k, v in
+                                                                    result["phase_seconds"].items()), flush=True)
+            print(f"{side} weight sync: mean {sync['mean']:.3f} s/step (median {sync['median']:.3f}, "
+                  f"min {sync['min']:.3f}, max {sync['max']:.3f})", flush=True)
     results["setup"] = {"model": "tiny (schema model.tiny)" if args.tiny else "SmolLM2-135M-Instruct",
-                        "prompts_per_step": PROMPTS, "samples_per_prompt": SAMPLES, "sides": args.sides,
-                        "alignpipe_policy": f"{args.workers} rank(s), ZeRO-{args.zero_stage}",
-                        "max_new_tokens": NEW_TOKENS, "steps": args.steps, "warmup_steps_excluded": args.warmup}
+                        "prompts_per_step": PROMPTS, "samples_per_prompt": SAMPLES, "micro_batch": MICRO_BATCH,
+                        "sides": args.sides, "alignpipe_policy": f"{args.workers} rank(s), ZeRO-{args.zero_stage}",
+                        "max_new_tokens": NEW_TOKENS,
+                        "response_tokens": f"exactly {NEW_TOKENS}: alignpipe vLLM ignore_eos, TRL min_new_tokens",
+                        "gradient_checkpointing": False, "steps": args.steps, "warmup_steps_excluded": args.warmup}
     write_results(args.out, results)
+    if "alignpipe" in results and "trl" in results:
+        a, t = results["alignpipe"]["steady_step_seconds"], results["trl"]["steady_step_seconds"]
+        print(f"speed-up alignpipe vs trl: {t['mean'] / a['mean']:.2f}x by mean s/step, "
+              f"{t['median'] / a['median']:.2f}x by median", flush=True)
+
 
 if __name__ == "__main__":
     main()

@@ -188,8 +188,8 @@ def seeded_models(config: dict) -> list[str]:
 
 
 def rl_variant(config: dict, name: str) -> dict:
-    """The settings of one RL run: the rl block's keys overridden by the variant's own."""
-    return {k: v for k, v in config["rl"].items() if k != "variants"} | config["rl"]["variants"][name]
+    """The settings of one RL run: the rl block's keys overridden by the variant's own (rl.vllm key by key)."""
+    return deep_merge({k: v for k, v in config["rl"].items() if k != "variants"}, config["rl"]["variants"][name])
 
 
 def load_config_files(paths, overrides: dict | None = None) -> dict:

@@ -117,17 +117,70 @@ def stage_resources(stage: str, launcher: dict, profile: dict | None = None) -> 
     return resources, sources
 
 
+def gpus_needed(stage: str, block: dict) -> dict[str, int]:
+    """The GPUs each role of a stage's job takes on a GPU cluster (one per DeepSpeed rank, frozen-model rank and
+    engine GPU, one for evaluation's scorer)."""
+    vllm = block.get("vllm") or {}
+    engines = vllm.get("num_engines", 1) * vllm.get("tensor_parallel_size", 1)
+    if stage == "rl":
+        roles = {"policy": block["num_workers"], "reference": block.get("frozen_ranks", 1), "vLLM": engines}
+        if block.get("estimator") == "gae":
+            roles["critic"] = block["num_workers"]
+        if block.get("reward", "model") == "model":
+            roles["reward model"] = block.get("frozen_ranks", 1)
+        return roles
+    if stage == "evaluate":
+        return {"vLLM": engines, "scorer": 1}
+    return {"trainer": block["num_workers"]} if "num_workers" in block else {}
+
+
 def check_fits(stage: str, params: dict, resources: dict, sources: dict) -> None:
-    """A training stage's Ray actors (1 CPU each) must fit the job, or Ray would wait for them forever.
-    (A stage whose roles share the job's cores, `colocate: true`, places them itself.)"""
+    """A stage's Ray actors must fit its job, or Ray would wait for them forever: on CPU 1 CPU per DeepSpeed rank
+    (unless the roles share the cores, `colocate: true`); on GPUs the GPUs every role takes (`gpus_needed`; summed,
+    or the largest role's where the roles share GPUs). Settings that need GPUs are refused on a job without them."""
     block = params.get(stage) if isinstance(params.get(stage), dict) else {}
     workers = block.get("num_workers")
     capacity = resources["nodes"] * resources["cpus_per_node"]
-    if isinstance(workers, int) and workers > capacity and not block.get("colocate"):
+    gpus = resources["gpus_per_node"]
+    where = f"{resources['nodes']} node(s) ({sources['nodes']}) x"
+    if isinstance(workers, int) and workers > capacity and not block.get("colocate") and not gpus:
         raise LaunchConfigError(
-            f"{stage}.num_workers = {workers} Ray actors (1 CPU each) do not fit the stage's job: "
-            f"{resources['nodes']} node(s) ({sources['nodes']}) x {resources['cpus_per_node']} CPUs "
-            f"({sources['cpus_per_node']}) = {capacity}; raise those or lower {stage}.num_workers")
+            f"{stage}.num_workers = {workers} Ray actors (1 CPU each) do not fit the stage's job: {where} "
+            f"{resources['cpus_per_node']} CPUs ({sources['cpus_per_node']}) = {capacity}; raise those or lower "
+            f"{stage}.num_workers")
+    vllm = block.get("vllm") or {}
+    if not gpus:
+        gpu_only = {"vllm.tensor_parallel_size": vllm.get("tensor_parallel_size", 1) > 1,
+                    "vllm.sleep": vllm.get("sleep", False), "offload_optimizer": block.get("offload_optimizer", False),
+                    "precision": block.get("precision") == "bf16"}
+        for key, used in gpu_only.items():
+            if used:
+                raise LaunchConfigError(f"{stage}.{key} = {_value(block, key)!r} needs GPUs, but the stage's job has "
+                                        f"none ({sources['gpus_per_node']} = 0); set gpus_per_node or change {key}")
+        return
+    roles = gpus_needed(stage, block)
+    if not roles:
+        return
+    shared = stage == "rl" and block.get("colocate")
+    needed = max(roles.values()) if shared else sum(roles.values())
+    if needed > resources["nodes"] * gpus:
+        parts = ", ".join(f"{role} {count}" for role, count in roles.items())
+        raise LaunchConfigError(
+            f"stage {stage} needs {needed} GPUs ({parts}; {'colocated: the largest role' if shared else 'summed'}), "
+            f"but its job has {where} {gpus} GPUs ({sources['gpus_per_node']}) = {resources['nodes'] * gpus}; "
+            f"raise those or lower the stage's num_workers / frozen_ranks / vllm.num_engines")
+    if vllm.get("tensor_parallel_size", 1) > gpus:
+        raise LaunchConfigError(f"{stage}.vllm.tensor_parallel_size = {vllm['tensor_parallel_size']} GPUs per engine "
+                                f"exceed a node's {gpus} ({sources['gpus_per_node']}): an engine runs on one node")
+    if vllm.get("sleep") and not (shared and block.get("zero_stage") == 3):
+        raise LaunchConfigError(f"{stage}.vllm.sleep needs colocate: true and zero_stage: 3 (DeepSpeed's ZeRO-3 "
+                                "states leave the GPUs while vLLM generates)")
+
+
+def _value(block: dict, dotted: str):
+    for part in dotted.split("."):
+        block = block.get(part) if isinstance(block, dict) else None
+    return block
 
 
 def describe(resources: dict) -> str:

@@ -7,8 +7,8 @@ raises with the job id, state, nodes, log path and log tail if the job fails.
 
 Timeouts and preemption: Slurm signals the job (USR2, 90 s before its time limit, or `scancel --signal`);
 submitit calls `StageJob.checkpoint`, which resubmits the same StageJob, and requeues the job. The stage keeps
-its own resumable state in its checkpoint directory (under the results directory, keyed by the stage's
-config), so the requeued job resumes from its last checkpoint; that directory is deleted once the stage
+its own resumable state in its checkpoint directory (launcher.checkpoint_dir or the results directory, keyed by the
+stage's config), so the requeued job resumes from its last checkpoint; that directory is deleted once the stage
 succeeds.
 
 Nothing here shapes a stage's result, so none of it is part of a stage's code hash (launcher/code_hash.py).
@@ -29,7 +29,7 @@ from pathlib import Path
 import submitit
 from submitit.core.utils import JobPaths
 
-from launcher.config import config_hash, results_root
+from launcher.config import REPO_ROOT, config_hash, results_root
 from launcher.resources import LaunchConfigError, check_fits, check_slurm, describe, stage_resources
 from runtime.job import StageJob
 
@@ -47,9 +47,13 @@ def tracking_uri(config: dict) -> str:
 
 
 def checkpoint_dir(context: dict, run_name: str, params: dict) -> Path:
-    """Where a stage keeps resumable state: survives requeues and failures, keyed by the stage's config."""
-    return (results_root(context) / context["experiment"] / "checkpoints" / run_name.replace("/", "-")
-            / config_hash(params))
+    """Where a stage keeps resumable state: survives requeues and failures, keyed by the stage's config. Under
+    launcher.checkpoint_dir (a shared filesystem on clusters, relative to the repository root unless absolute)
+    or, by default, the experiment's results."""
+    chosen = context["launcher"].get("checkpoint_dir")
+    root = (REPO_ROOT / chosen).resolve() / context["experiment"] if chosen else \
+        results_root(context) / context["experiment"] / "checkpoints"
+    return root / run_name.replace("/", "-") / config_hash(params)
 
 
 # --- submitting and waiting -----------------------------------------------------------------------------

@@ -1,8 +1,12 @@
-"""A group of Ray actors that act as one distributed trainer (one DeepSpeed rank each).
+"""Ray placement of a stage's actors: a group of ranks that act as one distributed trainer (one DeepSpeed rank
+each), and the placement groups they and the vLLM engines run in.
 
 The driver calls a method on every rank at once and gets the per-rank results back in rank order; rank 0's
-node address becomes the torch.distributed rendezvous for the group. The ranks are placed with a placement
-group (SPREAD: across the job's nodes when there are several) and each rank reports the node it runs on:
+node address becomes the torch.distributed rendezvous for the group. On CPU the ranks are SPREAD across the job's
+nodes (packed on one when there is one). On GPUs each rank's bundle holds a GPU and the ranks are PACKed onto as
+few nodes as possible (as OpenRLHF packs them: NCCL inside a node is fastest); Ray gives each actor its own GPU id and
+sets CUDA_VISIBLE_DEVICES to it. Roles that share GPUs (`colocate`) share one placement group: rank i of every role
+sits in bundle i with a fraction of its GPU. Each rank reports where it runs (node, process, GPU ids):
 `placements`, which the stage hands to its tracker (stage.json and MLflow tags), and a line in the log.
 """
 import os
@@ -15,29 +19,52 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 PLACEMENT_TIMEOUT_S = 300
 
 
+def cluster_gpus() -> int:
+    """GPUs in the stage's Ray cluster (what the job's nodes declared: Slurm's --gpus-per-node)."""
+    return int(ray.cluster_resources().get("GPU", 0))
+
+
+def reserve(bundles: list[dict], strategy: str, what: str):
+    """A ready placement group of `bundles`; a clear error naming `what` if the cluster cannot hold it."""
+    group = placement_group(bundles, strategy=strategy)
+    try:
+        ray.get(group.ready(), timeout=PLACEMENT_TIMEOUT_S)
+    except ray.exceptions.GetTimeoutError:
+        ray.util.remove_placement_group(group)
+        raise RuntimeError(
+            f"Ray could not place {what} ({len(bundles)} x {bundles[0]}) within {PLACEMENT_TIMEOUT_S} s; the cluster "
+            f"has {ray.cluster_resources()} ({len([n for n in ray.nodes() if n['Alive']])} node(s)). Give the stage "
+            f"more nodes, CPUs or GPUs (launcher.stages.<stage>.nodes / cpus_per_node / gpus_per_node) or fewer "
+            f"workers.") from None
+    return group
+
+
+def bundles(count: int, cpus: float, gpus: float) -> list[dict]:
+    return [{"CPU": cpus, "GPU": gpus} if gpus else {"CPU": cpus} for _ in range(count)]
+
+
 def _where(self) -> dict:
-    """Runs inside the actor: the node and process it lives in."""
-    return {"hostname": socket.gethostname(), "ip": ray.util.get_node_ip_address(), "pid": os.getpid()}
+    """Runs inside the actor: the node, process and GPUs it has."""
+    return {"hostname": socket.gethostname(), "ip": ray.util.get_node_ip_address(), "pid": os.getpid(),
+            "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
+            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
+
+
+def located(actor_cls):
+    """`actor_cls` with one extra method, so that each actor can say where it runs."""
+    return type(actor_cls.__name__, (actor_cls,), {"actor_group_where": _where})
 
 
 class ActorGroup:
-    def __init__(self, actor_cls, num_actors: int, cpus_per_actor: float = 1, strategy: str = "SPREAD",
-                 env: dict | None = None):
-        # SPREAD places ranks on different nodes when there are several, and packs them on one otherwise.
-        bundles = [{"CPU": cpus_per_actor}] * num_actors
-        self.placement = placement_group(bundles, strategy=strategy)
-        try:
-            ray.get(self.placement.ready(), timeout=PLACEMENT_TIMEOUT_S)
-        except ray.exceptions.GetTimeoutError:
-            ray.util.remove_placement_group(self.placement)
-            raise RuntimeError(
-                f"Ray could not place {num_actors} {actor_cls.__name__} actors of {cpus_per_actor:g} CPU each "
-                f"within {PLACEMENT_TIMEOUT_S} s; the cluster has {ray.cluster_resources()} "
-                f"({len([n for n in ray.nodes() if n['Alive']])} node(s)). Give the stage more nodes or CPUs "
-                f"(launcher.stages.<stage>.nodes / cpus_per_node) or fewer workers.") from None
-        # A subclass with one extra method, so that each rank can say where it runs.
-        located = type(actor_cls.__name__, (actor_cls,), {"actor_group_where": _where})
-        remote_cls = ray.remote(num_cpus=cpus_per_actor)(located)
+    def __init__(self, actor_cls, num_actors: int, cpus_per_actor: float = 1, gpus_per_actor: float = 0,
+                 shared=None, env: dict | None = None):
+        """`num_actors` ranks of `actor_cls`, each with `cpus_per_actor` CPUs and `gpus_per_actor` GPUs (a fraction
+        where roles share GPUs), in a placement group of their own, or in bundles 0..num_actors-1 of `shared`."""
+        self.own_placement = shared is None
+        self.placement = reserve(bundles(num_actors, cpus_per_actor, gpus_per_actor),
+                                 "PACK" if gpus_per_actor else "SPREAD",
+                                 f"{num_actors} {actor_cls.__name__} actors") if shared is None else shared
+        remote_cls = ray.remote(num_cpus=cpus_per_actor, num_gpus=gpus_per_actor)(located(actor_cls))
         self.actors = [
             remote_cls.options(
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement, placement_group_bundle_index=i),
@@ -47,8 +74,9 @@ class ActorGroup:
         ]
         self.placements = [{"group": actor_cls.__name__, "rank": rank, **where}
                            for rank, where in enumerate(self.call("actor_group_where"))]
-        print(f"[ray] {actor_cls.__name__}: " + ", ".join(f"rank {p['rank']} on {p['hostname']} ({p['ip']})"
-                                                         for p in self.placements), flush=True)
+        print(f"[ray] {actor_cls.__name__}: " + ", ".join(
+            f"rank {p['rank']} on {p['hostname']} ({p['ip']})" + (f" GPU {','.join(p['gpu_ids'])}" if p["gpu_ids"] else "")
+            for p in self.placements), flush=True)
         master_addr, master_port = ray.get(self.actors[0].rendezvous_address.remote())
         self.rendezvous = {"master_addr": master_addr, "master_port": master_port, "world_size": num_actors}
 
@@ -63,4 +91,5 @@ class ActorGroup:
     def shutdown(self) -> None:
         for actor in self.actors:
             ray.kill(actor)
-        ray.util.remove_placement_group(self.placement)
+        if self.own_placement:
+            ray.util.remove_placement_group(self.placement)

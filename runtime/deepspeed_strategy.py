@@ -1,7 +1,9 @@
-"""DeepSpeed ZeRO training for one rank: process-group setup, engine, and Hugging Face export.
+"""DeepSpeed ZeRO training for one rank: device and process-group setup, engine, and Hugging Face export.
 
 Subclasses (the per-stage Ray workers) implement `setup(cfg, rank)`, given the stage's Config, and `loss(batch)`;
-this base owns everything else. On CPU the backend is gloo and the optimizer is torch's fused AdamW
+this base owns everything else. On GPUs each rank uses the one GPU Ray gave it (Ray's CUDA_VISIBLE_DEVICES names only
+that GPU, so it is device 0), NCCL between ranks, bf16 weights with fp32 master weights in DeepSpeed's optimizer
+(`precision`). On CPU the backend is gloo, everything fp32, and the optimizer is torch's fused AdamW
 (DeepSpeedCPUAdam would JIT-compile for minutes; the fused kernel steps SmolLM2-135M in 0.14 s on 2 cores, the
 default per-tensor loop in 0.8 s).
 """
@@ -15,21 +17,32 @@ from pathlib import Path
 import torch
 
 from runtime.lora import apply_lora, merged_state_dict, resolve_targets
+from runtime.models import model_dtype
 
 
-def ds_config(zero_stage: int, micro_batch_size: int, grad_accum: int, world_size: int, max_grad_norm: float) -> dict:
+def ds_config(zero_stage: int, micro_batch_size: int, grad_accum: int, world_size: int, max_grad_norm: float,
+              bf16: bool = False, offload_optimizer: bool = False) -> dict:
+    zero = {"stage": zero_stage}
+    if offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     return {
         "train_batch_size": micro_batch_size * grad_accum * world_size,
         "train_micro_batch_size_per_gpu": micro_batch_size,
         "gradient_accumulation_steps": grad_accum,
         "gradient_clipping": max_grad_norm,
-        "zero_optimization": {"stage": zero_stage},
+        "zero_optimization": zero,
         "zero_allow_untested_optimizer": True,
         "zero_force_ds_cpu_optimizer": False,
-        "bf16": {"enabled": torch.cuda.is_available() and torch.cuda.is_bf16_supported()},
+        "bf16": {"enabled": bf16},  # DeepSpeed's optimizer then keeps fp32 master weights
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
+
+
+def inference_ds_config(zero_stage: int, bf16: bool) -> dict:
+    """A frozen model's engine: no optimizer; under ZeRO-3 its weights stay sharded across the ranks."""
+    return {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": zero_stage},
+            "bf16": {"enabled": bf16}, "steps_per_print": 10**9, "wall_clock_breakdown": False}
 
 
 def warmup_cosine(optimizer, warmup_steps: int, total_steps: int):
@@ -69,8 +82,11 @@ class DeepSpeedWorker:
     def init_distributed(self, rank: int, rendezvous: dict, num_threads: int) -> None:
         import deepspeed
         torch.set_num_threads(num_threads)
+        # LOCAL_RANK 0: Ray's CUDA_VISIBLE_DEVICES holds only the GPU(s) it gave this rank.
         os.environ.update(MASTER_ADDR=rendezvous["master_addr"], MASTER_PORT=str(rendezvous["master_port"]),
                           RANK=str(rank), WORLD_SIZE=str(rendezvous["world_size"]), LOCAL_RANK="0")
+        if torch.cuda.is_available():
+            torch.cuda.set_device(0)
         # Skip DeepSpeed's shared-memory comm op: on CPU it JIT-compiles for minutes and gloo is enough.
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
         backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -81,13 +97,20 @@ class DeepSpeedWorker:
         """The DeepSpeed engine from the trainer keys of `cfg` (a TrainerConfig) and the model in rank.model_dir."""
         import deepspeed
         grad_accum = cfg.batch_size // (cfg.micro_batch_size * cfg.num_workers)
-        config = ds_config(cfg.zero_stage, cfg.micro_batch_size, grad_accum, self.world_size, cfg.max_grad_norm)
+        self.dtype = model_dtype(cfg.precision)
+        if cfg.offload_optimizer and not torch.cuda.is_available():
+            raise ValueError("offload_optimizer moves optimizer states from GPU to CPU memory; on CPU set it to false")
+        config = ds_config(cfg.zero_stage, cfg.micro_batch_size, grad_accum, self.world_size, cfg.max_grad_norm,
+                           bf16=self.dtype == "bfloat16", offload_optimizer=cfg.offload_optimizer)
         torch.manual_seed(cfg.seed)
         if cfg.zero_stage == 3:
-            # Keeps the HF config alive so from_pretrained partitions weights as they load (zero.Init).
+            # Keeps the HF config alive so from_pretrained partitions weights as they load (zero.Init): no rank ever
+            # holds the whole model, and it loads in `precision`, never as a full fp32 copy.
             from transformers.integrations import HfDeepSpeedConfig
             self._hf_ds_config = HfDeepSpeedConfig(config)
-        model = model_loader(rank.model_dir)
+        model = model_loader(rank.model_dir, self.dtype, cfg.attn_implementation)
+        if cfg.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.train()
         self.lora = cfg.lora_rank > 0
         if self.lora:
@@ -101,12 +124,13 @@ class DeepSpeedWorker:
         self.engine, self.optimizer, _, self.scheduler = deepspeed.initialize(
             model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config)
         self.zero_stage = cfg.zero_stage
+        self.forward_micro_batch_size = cfg.forward_micro_batch_size
 
     def train_step(self, micro_batches: list) -> dict:
         """One optimizer step over this rank's micro-batches; returns the mean of each loss statistic."""
         totals: dict = {}
         for batch in micro_batches:
-            loss, stats = self.loss(batch)
+            loss, stats = self.loss(batch)  # stats: detached tensors, read once the step is done
             self.engine.backward(loss)
             self.engine.step()
             for key, value in stats.items():
@@ -122,15 +146,20 @@ class DeepSpeedWorker:
         return [{"params": [p for p in model.parameters() if p.requires_grad], "lr": learning_rate}]
 
     def save_checkpoint(self, ckpt_dir: str, tag: str) -> None:
-        """Model, optimizer and scheduler (DeepSpeed's own format, per rank) plus this rank's RNG state."""
+        """Model, optimizer and scheduler (DeepSpeed's own format, per rank) plus this rank's RNG states (CPU, and
+        CUDA on GPUs)."""
         self.engine.save_checkpoint(ckpt_dir, tag=tag, save_latest=False)  # runtime/checkpoints.py keeps the pointer
-        torch.save(torch.get_rng_state(), Path(ckpt_dir) / tag / f"rng_rank{self.rank}.pt")
+        rng = {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+        torch.save(rng, Path(ckpt_dir) / tag / f"rng_rank{self.rank}.pt")
 
     def load_checkpoint(self, ckpt_dir: str, tag: str) -> None:
         path, _ = self.engine.load_checkpoint(ckpt_dir, tag=tag)
         if path is None:
             raise FileNotFoundError(f"no DeepSpeed checkpoint {tag!r} in {ckpt_dir}")
-        torch.set_rng_state(torch.load(Path(ckpt_dir) / tag / f"rng_rank{self.rank}.pt"))
+        rng = torch.load(Path(ckpt_dir) / tag / f"rng_rank{self.rank}.pt")
+        torch.set_rng_state(rng["cpu"])
+        if rng["cuda"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(rng["cuda"])
 
     def save_hf(self, out_dir: str, tokenizer_dir: str) -> None:
         """Write an HF `save_pretrained` directory (safetensors) from rank 0; all ranks must call it."""

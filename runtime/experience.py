@@ -6,13 +6,13 @@ import dataclasses
 import statistics
 from typing import TYPE_CHECKING
 
-import ray
 import torch
 
 from runtime import losses
 from runtime.advantages import compute_advantages
 from runtime.logprobs import pad_prompt_response
 from runtime.rewards import call_reward_fn
+from runtime.rollout import generate_on
 
 if TYPE_CHECKING:
     from runtime.rl_actors import Roles
@@ -70,21 +70,35 @@ class Rollout:
         return pad_prompt_response(self.prompt_ids, self.response_ids, pad_id)
 
     def to_batch(self, values: torch.Tensor, batch_mask: torch.Tensor) -> torch.Tensor:
-        """Response-aligned (B, T) values laid into the response positions (batch_mask 1) of a model batch (B, K)."""
-        out = torch.zeros(batch_mask.shape, dtype=torch.float32)
-        out[batch_mask.bool()] = values[self.mask.bool()]
-        return out
+        """Response-aligned (B, T) values laid into the response positions (batch_mask 1) of a model batch (B, K), on
+        the batch's device. (Gathers, not boolean indexing: no shape depends on the data, so it runs on any device.)"""
+        first = batch_mask.argmax(dim=1, keepdim=True)  # each row's first response position in the batch
+        positions = torch.arange(batch_mask.shape[1], device=batch_mask.device).unsqueeze(0)
+        index = (positions - first).clamp(0, values.shape[1] - 1)
+        laid = values.to(batch_mask.device, torch.float32).gather(1, index)
+        return torch.where(batch_mask.bool(), laid, 0.0)
 
     def from_batch(self, values: torch.Tensor, batch_mask: torch.Tensor) -> torch.Tensor:
-        """A model batch's per-token values (B, K) at its response positions, response-aligned (B, T)."""
-        out = torch.zeros(self.mask.shape, dtype=torch.float32)
-        out[self.mask.bool()] = values[batch_mask.bool()].float()
-        return out
+        """A model batch's per-token values (B, K) at its response positions, response-aligned (B, T), on the CPU."""
+        first = batch_mask.argmax(dim=1, keepdim=True)
+        steps = torch.arange(self.mask.shape[1], device=values.device).unsqueeze(0)
+        index = (first + steps).clamp(max=values.shape[1] - 1)
+        aligned = torch.where(self.mask.to(values.device).bool(), values.gather(1, index).float(), 0.0)
+        return aligned.to(self.mask.device)
+
+    def micro_batches(self, size: int | None) -> list[Rollout]:
+        """The rows in consecutive pieces of at most `size` (None: all at once), for forwards where nothing trains."""
+        size = size or max(1, len(self))
+        return [self[i:i + size] for i in range(0, len(self), size)]
 
 
-def generate(roles: Roles, prompts: list[dict], n: int, cfg, seed: int, temperature: float) -> Rollout:
-    outputs = ray.get(roles.engine.generate.remote([p["prompt_ids"] for p in prompts], n, temperature, cfg.top_p,
-                                                   cfg.max_new_tokens, seed))
+def generate(roles: Roles, prompts: list[dict], n: int, cfg, seed: int, temperature: float,
+             ignore_eos: bool = False) -> Rollout:
+    """n samples per prompt from the vLLM engines; `ignore_eos`: every response max_new_tokens long (benchmarks)."""
+    roles.before_generate()
+    outputs = generate_on(roles.engines, [p["prompt_ids"] for p in prompts], n, temperature, cfg.top_p,
+                          cfg.max_new_tokens, seed, ignore_eos)
+    roles.after_generate()
     samples = [(prompt, s) for prompt, out in zip(prompts, outputs) for s in out]
     responses = [s["token_ids"] or [0] for _, s in samples]  # an empty response still needs one position to score
     return Rollout.of([p["prompt_ids"] for p, _ in samples], responses, prompts=[p["prompt"] for p, _ in samples],
@@ -94,7 +108,8 @@ def generate(roles: Roles, prompts: list[dict], n: int, cfg, seed: int, temperat
 
 def score(roles: Roles, rollout: Rollout) -> list[float]:
     if roles.reward_model is not None:
-        return ray.get(roles.reward_model.scores.remote(rollout))
+        return [s for part in roles.reward_model.call_per_rank("scores", shares(rollout, roles.reward_model))
+                for s in part]
     return call_reward_fn(roles.reward_fn, roles.reward_file, rollout.prompts, rollout.completions, rollout.labels)
 
 
@@ -105,10 +120,15 @@ def trains_once(cfg) -> bool:
     return cfg.ppo_epochs == 1 and cfg.batch_size == cfg.rollout_batch_size * cfg.n_samples and not cfg.kl_in_reward
 
 
+def shares(rollout: Rollout, group) -> list[Rollout]:
+    """Contiguous shares of the rows, one per rank of `group`."""
+    size = -(-len(rollout) // len(group.actors))
+    return [rollout[i * size:(i + 1) * size] for i in range(len(group.actors))]
+
+
 def split_call(group, method: str, rollout: Rollout) -> torch.Tensor:
     """Call `method` on the ranks of `group` with contiguous shares of the rows; their (b, T) results in row order."""
-    size = -(-len(rollout) // len(group.actors))
-    return torch.cat(group.call_per_rank(method, [rollout[i * size:(i + 1) * size] for i in range(len(group.actors))]))
+    return torch.cat(group.call_per_rank(method, shares(rollout, group)))
 
 
 def make_experience(roles: Roles, cfg, rollout: Rollout, kl_coef: float, reward_stats: dict) -> dict:
@@ -119,7 +139,7 @@ def make_experience(roles: Roles, cfg, rollout: Rollout, kl_coef: float, reward_
         scores = (scores - reward_stats["mean"]) / max(reward_stats["std"], 1e-6)
     if cfg.reward_clip:
         scores = scores.clamp(-cfg.reward_clip, cfg.reward_clip)
-    rollout.ref_logp = ray.get(roles.reference.logprobs.remote(rollout))
+    rollout.ref_logp = split_call(roles.reference, "logprobs", rollout)
     once = trains_once(cfg)
     if not once:
         rollout.old_logp = split_call(roles.policy, "logprobs", rollout)

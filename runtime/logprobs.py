@@ -29,15 +29,27 @@ def pair_batch(tokenizer, rows: list[dict]) -> dict:
     return pad_prompt_response(prompts * 2, responses, tokenizer.pad_token_id)
 
 
+def model_device(model) -> torch.device:
+    """Where a model's (or DeepSpeed engine's) weights are: the device its batches must go to."""
+    return next(model.parameters()).device
+
+
+def on_device(batch: dict, model) -> dict:
+    """The batch's tensors on the model's device (batches are built on the CPU)."""
+    target = model_device(model)
+    return {key: value.to(target) for key, value in batch.items()}
+
+
 def response_logits(model, batch: dict):
     """Next-token logits at the positions that predict response tokens (B, K, V), their labels (B, K) and the
-    response mask (B, K). The output layer, a large share of a small model's compute over a 49k vocabulary, runs
-    only from the first response position of the (right-padded) batch on, not over the prompts."""
+    response mask (B, K), on the model's device. The output layer, a large share of a small model's compute over a
+    49k vocabulary, runs only from the first response position of the (right-padded) batch on, not over the prompts."""
     mask = batch["loss_mask"][:, 1:]
-    start = int(mask.any(0).nonzero()[0, 0]) if mask.any() else 0
+    start = int(mask.any(0).nonzero()[0, 0]) if mask.any() else 0  # on the CPU batch: no device sync
+    batch = on_device(batch, model)
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                    logits_to_keep=mask.shape[1] + 1 - start).logits[:, :-1]
-    return logits, batch["input_ids"][:, 1 + start:], mask[:, start:]
+    return logits, batch["input_ids"][:, 1 + start:], batch["loss_mask"][:, 1 + start:]
 
 
 def response_logprobs(model, batch: dict):

@@ -84,32 +84,48 @@ def end_of_turn(tokenizer) -> str:
     return max(special, key=len) if special else (after or tokenizer.eos_token)
 
 
-def load_causal_lm(path):
+def model_dtype(precision: str) -> str:
+    """The torch dtype name a stage's models load in: `precision` auto is bf16 on GPUs and fp32 on CPU."""
     import torch
-    from transformers import AutoModelForCausalLM
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, use_safetensors=True,
-                                                trust_remote_code=trusts_remote_code(path))
+    if precision == "bf16" or (precision == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise ValueError("precision bf16 needs GPUs; on CPU use precision auto or fp32")
+        return "bfloat16"
+    return "float32"
 
 
-def load_reward_model(path):
+def device():
+    """This process's device: the GPU Ray gave it (device 0 of its CUDA_VISIBLE_DEVICES), or the CPU."""
+    import torch
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _load(auto_cls: str, path, dtype, attn_implementation, **kwargs):
+    """A model from a local directory: safetensors only, remote code as the directory records, in `dtype` (a torch
+    dtype name; float32 by default) with transformers' attention kernel `attn_implementation` (its default if None)."""
+    import torch
+    import transformers
+    options = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    return getattr(transformers, auto_cls).from_pretrained(path, dtype=getattr(torch, dtype), use_safetensors=True,
+                                                           trust_remote_code=trusts_remote_code(path), **options,
+                                                           **kwargs)
+
+
+def load_causal_lm(path, dtype: str = "float32", attn_implementation: str | None = None):
+    return _load("AutoModelForCausalLM", path, dtype, attn_implementation)
+
+
+def load_reward_model(path, dtype: str = "float32", attn_implementation: str | None = None):
     """A causal LM directory (or a trained reward model) as a one-output sequence classifier."""
-    import torch
-    from transformers import AutoModelForSequenceClassification
-    model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=torch.float32,
-                                                               use_safetensors=True,
-                                                               trust_remote_code=trusts_remote_code(path))
+    model = _load("AutoModelForSequenceClassification", path, dtype, attn_implementation, num_labels=1)
     # The classifier scores the last non-pad token, so it must know the pad id.
     model.config.pad_token_id = load_tokenizer(path).pad_token_id
     return model
 
 
-def load_value_model(path):
+def load_value_model(path, dtype: str = "float32", attn_implementation: str | None = None):
     """A causal LM directory as a critic: the same backbone with a fresh one-output head on every token."""
-    import torch
-    from transformers import AutoModelForTokenClassification
-    return AutoModelForTokenClassification.from_pretrained(path, num_labels=1, dtype=torch.float32,
-                                                           use_safetensors=True,
-                                                           trust_remote_code=trusts_remote_code(path))
+    return _load("AutoModelForTokenClassification", path, dtype, attn_implementation, num_labels=1)
 
 
 def build_smollm2(out_dir: Path) -> None:

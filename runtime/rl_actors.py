@@ -1,19 +1,30 @@
 """The rl stage's Ray actors: the policy and critic trainers (DeepSpeed ranks), the frozen reference and reward
-model, and `Roles`, which starts them all with the vLLM rollout engine. Each takes and returns `Rollout` rows."""
+model, and `Roles`, which starts them all with the vLLM rollout engines and places them: on CPU every role shares the
+job's cores (`colocate`) or takes 1 CPU per actor; on GPUs one GPU per rank and per engine GPU, in placement groups of
+their own, or, colocated, all roles in one placement group with a share of each GPU. Each takes and returns `Rollout`
+rows."""
 import dataclasses
 
 import ray
 import torch
 
-from runtime import losses, trainer
-from runtime.rewards import load_reward_fn
-from runtime.deepspeed_strategy import DeepSpeedWorker, Rank
+from runtime import losses, trainer, weight_sync
+from runtime.actor_group import ActorGroup, bundles, cluster_gpus, reserve
+from runtime.deepspeed_strategy import DeepSpeedWorker, Rank, inference_ds_config
 from runtime.experience import Rollout
-from runtime.logprobs import entropy_from_logits, response_logits, response_logprobs, token_logprobs
-from runtime.models import load_causal_lm, load_reward_model, load_tokenizer, load_value_model
-from runtime.rollout import VLLMEngine
+from runtime.logprobs import entropy_from_logits, on_device, response_logits, response_logprobs, token_logprobs
+from runtime.models import device, load_causal_lm, load_reward_model, load_tokenizer, load_value_model, model_dtype
+from runtime.rewards import load_reward_fn
+from runtime.rollout import start_engines
 
 ROLE_CPUS = 0.25  # colocated roles share the job's cores; Ray CPU counts only place them
+
+
+def forward_in_pieces(fn, rollout: Rollout, size: int | None) -> torch.Tensor:
+    """`fn` over the rollout's rows `size` at a time (None: at once); the (B, T) results in row order."""
+    if not rollout:  # a rank's empty share
+        return torch.zeros_like(rollout.mask)
+    return torch.cat([fn(piece) for piece in rollout.micro_batches(size)])
 
 
 class PolicyWorker(DeepSpeedWorker):
@@ -25,9 +36,8 @@ class PolicyWorker(DeepSpeedWorker):
 
     @torch.no_grad()
     def logprobs(self, rollout: Rollout) -> torch.Tensor:
-        if not rollout:
-            return torch.zeros_like(rollout.mask)
-        return rollout.from_batch(*response_logprobs(self.engine, rollout.tokens(self.pad_id)))
+        return forward_in_pieces(lambda rows: rows.from_batch(*response_logprobs(self.engine, rows.tokens(self.pad_id))),
+                                 rollout, self.forward_micro_batch_size)
 
     def loss(self, rollout: Rollout):
         cfg = self.cfg
@@ -40,16 +50,32 @@ class PolicyWorker(DeepSpeedWorker):
             is_weight = torch.exp(old - rollout.to_batch(rollout.rollout_logp, mask)).clamp(max=cfg.is_cap) * mask
         loss, clip_frac = losses.policy_loss(logp, old, rollout.to_batch(rollout.advantages, mask), mask,
                                              cfg.clip_low, cfg.clip_high, cfg.dual_clip, cfg.loss_agg, is_weight)
-        entropy = losses.masked_mean(entropy_from_logits(logits), mask)
+        # The entropy over the whole vocabulary is a (B, K, V) computation: without autograd unless it is trained on.
+        with torch.set_grad_enabled(torch.is_grad_enabled() and bool(cfg.entropy_coef)):
+            entropy = losses.masked_mean(entropy_from_logits(logits), mask)
         if cfg.entropy_coef:
             loss = loss - cfg.entropy_coef * entropy
-        stats = {"policy_loss": loss.item(), "clip_fraction": clip_frac.item(), "entropy": entropy.item()}
+        stats = {"policy_loss": loss.detach(), "clip_fraction": clip_frac.detach(), "entropy": entropy.detach()}
         if not cfg.kl_in_reward and cfg.kl_coef:  # GRPO style: KL to the reference as a loss term
             kl = losses.aggregate(losses.kl_estimate(logp, rollout.to_batch(rollout.ref_logp, mask), cfg.kl_estimator),
                                   mask, cfg.loss_agg)
             loss = loss + cfg.kl_coef * kl
-            stats["kl_loss"] = kl.item()
+            stats["kl_loss"] = kl.detach()
         return loss, stats
+
+    def init_weight_group(self, master_address: str, master_port: int, world_size: int) -> None:
+        if self.rank == 0:
+            weight_sync.init_trainer_group(self, master_address, master_port, world_size)
+
+    def send_weights(self, engines: list, mode: str) -> int:
+        return weight_sync.send_weights(self, engines, mode)
+
+    def offload_states(self) -> None:
+        """Free GPU memory for vLLM (vllm.sleep): DeepSpeed's ZeRO-3 optimizer states and weights to CPU memory."""
+        self.engine.offload_states()
+
+    def reload_states(self) -> None:
+        self.engine.reload_states()
 
 
 class CriticWorker(DeepSpeedWorker):
@@ -62,7 +88,7 @@ class CriticWorker(DeepSpeedWorker):
         self.build_engine(cfg, rank, load_value_model)
 
     def _values(self, rollout: Rollout):
-        batch = rollout.tokens(self.pad_id)
+        batch = on_device(rollout.tokens(self.pad_id), self.engine)
         mask = batch["loss_mask"][:, 1:]
         # The value of the state before each response token: logits at position t-1, shape (B, T).
         values = self.engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1, 0]
@@ -70,53 +96,131 @@ class CriticWorker(DeepSpeedWorker):
 
     @torch.no_grad()
     def values(self, rollout: Rollout) -> torch.Tensor:
-        if not rollout:
-            return torch.zeros_like(rollout.mask)
-        return rollout.from_batch(*self._values(rollout))
+        return forward_in_pieces(lambda rows: rows.from_batch(*self._values(rows)), rollout,
+                                 self.forward_micro_batch_size)
 
     def loss(self, rollout: Rollout):
         values, mask = self._values(rollout)
         loss = losses.value_loss(values, rollout.to_batch(rollout.old_values, mask),
                                  rollout.to_batch(rollout.returns, mask), mask, self.cfg.value_clip, self.cfg.loss_agg)
-        return loss, {"value_loss": loss.item()}
+        return loss, {"value_loss": loss.detach()}
+
+    offload_states = PolicyWorker.offload_states
+    reload_states = PolicyWorker.reload_states
 
 
-class FrozenScorer:
-    """The reference policy's log-probs, or the reward model's scores: inference only, one actor."""
+class FrozenScorer(DeepSpeedWorker):
+    """The reference policy's log-probs, or the reward model's scores: inference only, in `precision`, on this
+    rank's device, `forward_micro_batch_size` rows at a time. With several ranks and ZeRO-3 (`frozen_ranks`,
+    `zero_stage` 3) the weights are sharded across the ranks, each scoring its share of the rows."""
 
-    def __init__(self, model_dir: str, kind: str, num_threads: int):
-        torch.set_num_threads(num_threads)
-        self.tokenizer = load_tokenizer(model_dir)
-        self.model = (load_causal_lm if kind == "policy" else load_reward_model)(model_dir).eval()
+    def setup(self, cfg, rank: Rank, kind: str) -> None:
+        self.tokenizer = load_tokenizer(rank.model_dir)
+        self.forward_micro_batch_size = cfg.forward_micro_batch_size
+        loader = load_causal_lm if kind == "policy" else load_reward_model
+        dtype = model_dtype(cfg.precision)
+        torch.set_num_threads(rank.num_threads)
+        if rank.rendezvous["world_size"] > 1 and cfg.zero_stage == 3:
+            import deepspeed
+            from transformers.integrations import HfDeepSpeedConfig
+            self.init_distributed(rank.rank, rank.rendezvous, rank.num_threads)
+            config = inference_ds_config(3, dtype == "bfloat16")
+            self._hf_ds_config = HfDeepSpeedConfig(config)  # from_pretrained loads straight into shards
+            model = loader(rank.model_dir, dtype, cfg.attn_implementation)
+            self.model = deepspeed.initialize(model=model, config=config)[0].module.eval()
+        else:
+            if torch.cuda.is_available():
+                torch.cuda.set_device(0)
+            self.model = loader(rank.model_dir, dtype, cfg.attn_implementation).to(device()).eval()
 
     @torch.no_grad()
     def logprobs(self, rollout: Rollout) -> torch.Tensor:
-        return rollout.from_batch(*response_logprobs(self.model, rollout.tokens(self.tokenizer.pad_token_id)))
+        pad_id = self.tokenizer.pad_token_id
+        return forward_in_pieces(lambda rows: rows.from_batch(*response_logprobs(self.model, rows.tokens(pad_id))),
+                                 rollout, self.forward_micro_batch_size)
 
     @torch.no_grad()
     def scores(self, rollout: Rollout) -> list[float]:
-        batch = rollout.tokens(self.tokenizer.pad_token_id)
-        return self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, 0].tolist()
+        out = []
+        for rows in rollout.micro_batches(self.forward_micro_batch_size):
+            batch = on_device(rows.tokens(self.tokenizer.pad_token_id), self.model)
+            out += self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, 0].tolist()
+        return out
 
 
 class Roles:
     """Every actor of the stage, started once; `trainers` are the groups a checkpoint saves."""
 
     def __init__(self, cfg, inputs: dict, total_train_steps: int, threads: int, max_len: int, tracker):
-        cpus = ROLE_CPUS if cfg.colocate else 1
+        self.gpus = cluster_gpus() > 0
+        self.sleeps, self.engines_asleep = cfg.vllm["sleep"], False
+        if self.sleeps and not (self.gpus and cfg.colocate and cfg.zero_stage == 3):
+            raise ValueError("rl.vllm.sleep needs GPUs, colocate: true and zero_stage 3 (vLLM sleeps while DeepSpeed "
+                             "trains on the same GPUs, DeepSpeed's ZeRO-3 states move to CPU memory while vLLM "
+                             "generates); set it to false")
         policy_dir = str(inputs["model"])
-        self.policy = trainer.start_workers(PolicyWorker, cfg, inputs["model"], total_train_steps, tracker,
-                                            cpus_per_actor=cpus)
-        self.critic = None
-        if cfg.estimator == "gae":
-            critic_cfg = dataclasses.replace(cfg, learning_rate=cfg.critic_learning_rate)
-            self.critic = trainer.start_workers(CriticWorker, critic_cfg, inputs["model"], total_train_steps, tracker,
-                                                cpus_per_actor=cpus)
+        wants_critic = cfg.estimator == "gae"
+        wants_reward = cfg.reward == "model"
+        tp = cfg.vllm["tensor_parallel_size"]
+        if tp > 1 and not self.gpus:
+            raise ValueError(f"rl.vllm.tensor_parallel_size = {tp} splits an engine over GPUs; this job has none")
+        # Placement: CPU shares of the job's cores, or GPUs (one per rank, shared by every role when colocated).
+        shared, gpu = None, 0
+        if self.gpus:
+            roles = 3 + wants_critic + wants_reward  # policy, reference, engines, critic?, reward?
+            width = max(cfg.num_workers, cfg.frozen_ranks, cfg.vllm["num_engines"] * tp)
+            if cfg.colocate:
+                shared = reserve(bundles(width, 1, 1), "PACK", f"{width} GPUs shared by the rl stage's roles")
+                gpu = 1 / roles
+            else:
+                gpu = 1
+        cpus = (0 if shared else ROLE_CPUS) if cfg.colocate else 1
+        start = lambda cls, c: trainer.start_workers(cls, c, inputs["model"], total_train_steps, tracker,
+                                                     cpus_per_actor=cpus, gpus_per_actor=gpu, shared=shared)
+        self.policy = start(PolicyWorker, cfg)
+        self.critic = start(CriticWorker, dataclasses.replace(cfg, learning_rate=cfg.critic_learning_rate)) \
+            if wants_critic else None
         self.trainers = {"policy": self.policy} | ({"critic": self.critic} if self.critic else {})
-        remote = lambda cls: ray.remote(num_cpus=cpus)(cls)
-        self.reference = remote(FrozenScorer).remote(policy_dir, "policy", threads)
-        self.reward_model = remote(FrozenScorer).remote(str(inputs["reward_model"]), "reward", threads) \
-            if cfg.reward == "model" else None
-        self.reward_file = None if cfg.reward == "model" else inputs["reward_file"]
+        frozen = lambda model_dir, kind: self._frozen(cfg, model_dir, kind, threads, cpus, gpu, shared, tracker)
+        self.reference = frozen(policy_dir, "policy")
+        self.reward_model = frozen(str(inputs["reward_model"]), "reward") if wants_reward else None
+        self.reward_file = None if wants_reward else inputs["reward_file"]
         self.reward_fn = self.reward_file and load_reward_fn(self.reward_file)
-        self.engine = remote(VLLMEngine).remote(policy_dir, cfg.seed, max_len, num_threads=threads)
+        self.engines = start_engines(policy_dir, cfg.seed, max_len, cfg.vllm, threads, cpus, self.gpus,
+                                     model_dtype(cfg.precision) if self.gpus else "float32", shared, gpu)
+        self.weight_mode = "memory" if not self.gpus else ("ipc" if cfg.colocate else "nccl")
+        if self.weight_mode == "nccl":
+            self._init_weight_group(tp)
+
+    @staticmethod
+    def _frozen(cfg, model_dir: str, kind: str, threads: int, cpus: float, gpu: float, shared, tracker) -> ActorGroup:
+        group = ActorGroup(FrozenScorer, cfg.frozen_ranks, cpus_per_actor=cpus, gpus_per_actor=gpu, shared=shared)
+        tracker.record_placements(group.placements)
+        ray.get([actor.setup.remote(cfg, Rank(r, group.rendezvous, threads, model_dir, 0), kind)
+                 for r, actor in enumerate(group.actors)])
+        return group
+
+    def _init_weight_group(self, tp: int) -> None:
+        """Policy rank 0 and every vLLM worker in one NCCL group (rank 0 the trainer)."""
+        address, port = ray.get(self.policy.actors[0].rendezvous_address.remote())
+        world = 1 + len(self.engines) * tp
+        ray.get([self.policy.actors[0].init_weight_group.remote(address, port, world)] +
+                [engine.init_weight_group.remote(address, port, 1 + i * tp, world)
+                 for i, engine in enumerate(self.engines)])
+
+    def before_generate(self) -> None:
+        """vllm.sleep: the trainers' states leave the GPUs, vLLM's KV cache comes back."""
+        if self.sleeps:
+            for group in self.trainers.values():
+                group.call("offload_states")
+            if self.engines_asleep:
+                ray.get([engine.wake_up.remote(["kv_cache"]) for engine in self.engines])
+                self.engines_asleep = False
+
+    def after_generate(self) -> None:
+        """vllm.sleep: vLLM frees the GPUs (its weights wake for the next sync), the trainers' states come back."""
+        if self.sleeps:
+            ray.get([engine.sleep.remote() for engine in self.engines])
+            self.engines_asleep = True
+            for group in self.trainers.values():
+                group.call("reload_states")

@@ -12,7 +12,7 @@ from pathlib import Path
 import ray
 
 from runtime import checkpoints, data
-from runtime.actor_group import ActorGroup
+from runtime.actor_group import ActorGroup, cluster_gpus
 from runtime.deepspeed_strategy import Rank
 from runtime.progress import Progress
 
@@ -34,6 +34,11 @@ class TrainerConfig:
     lora_rank: int
     lora_alpha: float
     lora_targets: list[str] | str | None  # names, "all-linear", or None: the architecture's default
+    precision: str  # auto (bf16 on GPUs, fp32 on CPU), bf16 or fp32
+    gradient_checkpointing: bool
+    attn_implementation: str
+    offload_optimizer: bool
+    forward_micro_batch_size: int | None  # rows per forward where nothing trains; None: a whole batch
     seed: int
 
 
@@ -45,11 +50,15 @@ def shard(rows: list, world_size: int, micro_batch_size: int) -> list[list[list]
 
 
 def start_workers(worker_cls, cfg: TrainerConfig, model_dir: Path, total_steps: int, tracker,
-                  cpus_per_actor: float = 1) -> ActorGroup:
+                  cpus_per_actor: float = 1, gpus_per_actor: float | None = None, shared=None) -> ActorGroup:
     """An ActorGroup of `worker_cls` ranks, each set up with the stage's Config `cfg` and its DeepSpeed engine
-    built; where they run goes to `tracker`."""
+    built; where they run goes to `tracker`. Each rank gets one GPU where the cluster has GPUs (`gpus_per_actor`
+    None), or the share given (roles colocated in `shared`)."""
     threads = max(1, int(ray.cluster_resources().get("CPU", 1)) // cfg.num_workers)
-    group = ActorGroup(worker_cls, cfg.num_workers, cpus_per_actor=cpus_per_actor)
+    if gpus_per_actor is None:
+        gpus_per_actor = 1 if cluster_gpus() else 0
+    group = ActorGroup(worker_cls, cfg.num_workers, cpus_per_actor=cpus_per_actor, gpus_per_actor=gpus_per_actor,
+                       shared=shared)
     tracker.record_placements(group.placements)
     ray.get([actor.setup.remote(cfg, Rank(r, group.rendezvous, threads, str(model_dir), total_steps))
              for r, actor in enumerate(group.actors)])

@@ -18,7 +18,7 @@ import torch
 from runtime import data, losses, trainer
 from runtime.deepspeed_strategy import DeepSpeedWorker, Rank
 from runtime.logprobs import pair_batch, response_logprobs
-from runtime.models import load_causal_lm, load_tokenizer
+from runtime.models import device, load_causal_lm, load_tokenizer, model_dtype
 
 USES_RAY = True
 
@@ -50,7 +50,8 @@ class DPOWorker(DeepSpeedWorker):
         self.tokenizer = load_tokenizer(rank.model_dir)
         self.cfg = cfg
         # The reference is built before the engine: under ZeRO-3 every model built afterwards is partitioned.
-        self.reference = None if cfg.loss == "simpo" else load_causal_lm(rank.model_dir).eval()
+        self.reference = None if cfg.loss == "simpo" else \
+            load_causal_lm(rank.model_dir, model_dtype(cfg.precision), cfg.attn_implementation).to(device()).eval()
         self.build_engine(cfg, rank, load_causal_lm)
 
     def pair_logps(self, model, rows, mismatched: bool = False):
@@ -79,7 +80,7 @@ class DPOWorker(DeepSpeedWorker):
                 with torch.no_grad():
                     mc, _, _, _ = self.pair_logps(self.engine, rows, mismatched=True)
                     mrc, _, _, _ = self.pair_logps(self.reference, rows, mismatched=True)
-                desirable = torch.tensor([1] * len(rows) + [0] * len(rows))
+                desirable = torch.tensor([1] * len(rows) + [0] * len(rows), device=pc.device)
                 loss, rewards = losses.kto_loss(torch.cat([pc, pr]), torch.cat([rc, rr]), desirable,
                                                 (mc - mrc).mean(), cfg.beta, cfg.kto_desirable_weight,
                                                 cfg.kto_undesirable_weight)
@@ -90,9 +91,9 @@ class DPOWorker(DeepSpeedWorker):
 
     def loss(self, rows):
         loss, chosen, rejected = self.compute(rows)
-        return loss, {"loss": loss.item(), "accuracy": (chosen > rejected).float().mean().item(),
-                      "margin": (chosen - rejected).mean().item(), "chosen_reward": chosen.mean().item(),
-                      "rejected_reward": rejected.mean().item()}
+        return loss, {"loss": loss.detach(), "accuracy": (chosen > rejected).float().mean().detach(),
+                      "margin": (chosen - rejected).mean().detach(), "chosen_reward": chosen.mean().detach(),
+                      "rejected_reward": rejected.mean().detach()}
 
     @torch.no_grad()
     def evaluate(self, rows) -> list[tuple[float, float]]:

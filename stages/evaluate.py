@@ -16,10 +16,11 @@ import ray
 import torch
 
 from runtime import data
-from runtime.logprobs import pad_prompt_response, response_logits, token_logprobs
-from runtime.models import load_causal_lm, load_reward_model, load_tokenizer
+from runtime.actor_group import cluster_gpus
+from runtime.logprobs import on_device, pad_prompt_response, response_logits, token_logprobs
+from runtime.models import device, load_causal_lm, load_reward_model, load_tokenizer, model_dtype
 from runtime.rewards import call_reward_fn, load_reward_fn, reward_name
-from runtime.rollout import VLLMEngine, sampling_seed
+from runtime.rollout import generate_on, sampling_seed, start_engines
 from runtime.user_data import repo_path
 
 USES_RAY = True
@@ -35,6 +36,7 @@ class Config:
     top_p: float
     num_samples_logged: int
     rewards: list
+    vllm: dict  # the schema's evaluate.vllm: engines and their GPUs
     seed: int
 
     @classmethod
@@ -56,16 +58,19 @@ class Scorer:
 
     def __init__(self, model_dir: str, reference_dir: str, reward_model_dir: str | None, num_threads: int):
         torch.set_num_threads(num_threads)
-        self.model = load_causal_lm(model_dir).eval()
-        self.reference = self.model if model_dir == reference_dir else load_causal_lm(reference_dir).eval()
-        self.reward_model = load_reward_model(reward_model_dir).eval() if reward_model_dir else None
+        # fp32 on the CPU; on a GPU (the one Ray gave this actor) bf16.
+        load = lambda loader, path: loader(path, model_dtype("auto")).to(device()).eval()
+        self.model = load(load_causal_lm, model_dir)
+        self.reference = self.model if model_dir == reference_dir else load(load_causal_lm, reference_dir)
+        self.reward_model = load(load_reward_model, reward_model_dir) if reward_model_dir else None
         self.pad_id = load_tokenizer(model_dir).pad_token_id
 
     @torch.no_grad()
     def reward_model_scores(self, prompts: list[list[int]], responses: list[list[int]]) -> list[float]:
         scores = []
         for i in range(0, len(prompts), SCORE_BATCH):
-            batch = pad_prompt_response(prompts[i:i + SCORE_BATCH], responses[i:i + SCORE_BATCH], self.pad_id)
+            batch = on_device(pad_prompt_response(prompts[i:i + SCORE_BATCH], responses[i:i + SCORE_BATCH],
+                                                  self.pad_id), self.reward_model)
             scores += self.reward_model(input_ids=batch["input_ids"],
                                         attention_mask=batch["attention_mask"]).logits[:, 0].tolist()
         return scores
@@ -95,13 +100,16 @@ def run(cfg: Config, inputs: dict, output: Path, tracker) -> None:
     reward_fns = {reward: load_reward_fn(repo_path(reward)) for reward in cfg.rewards if reward != "model"}
 
     print(f"[evaluate] {cfg.model}: generating {len(rows)} prompts x {cfg.max_new_tokens} tokens with vLLM", flush=True)
-    engine = ray.remote(num_cpus=1)(VLLMEngine).remote(str(inputs["model"]), cfg.seed, max_len, num_threads=threads)
+    gpus = cluster_gpus() > 0
+    engines = start_engines(str(inputs["model"]), cfg.seed, max_len, cfg.vllm, threads, 1, gpus)
     # The scorer loads its models meanwhile (mostly imports and file reads); it computes only after generation.
     reward_model = str(inputs["reward_model"]) if "model" in cfg.rewards else None
-    scorer = ray.remote(num_cpus=1)(Scorer).remote(str(inputs["model"]), str(inputs["reference"]), reward_model, threads)
-    samples = ray.get(engine.generate.remote(prompt_ids, 1, cfg.temperature, cfg.top_p, cfg.max_new_tokens,
-                                             sampling_seed(cfg.seed, "evaluate")))
-    ray.kill(engine)  # free its cores and KV cache before scoring
+    scorer = ray.remote(num_cpus=1, num_gpus=int(gpus))(Scorer).remote(str(inputs["model"]), str(inputs["reference"]),
+                                                                       reward_model, threads)
+    samples = generate_on(engines, prompt_ids, 1, cfg.temperature, cfg.top_p, cfg.max_new_tokens,
+                          sampling_seed(cfg.seed, "evaluate"))
+    for engine in engines:
+        ray.kill(engine)  # free its cores and KV cache before scoring
     completions = [s[0] for s in samples]
     texts = [c["text"] for c in completions]
     scores = {}

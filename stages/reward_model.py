@@ -15,7 +15,7 @@ import torch
 
 from runtime import data, losses, trainer
 from runtime.deepspeed_strategy import DeepSpeedWorker, Rank
-from runtime.logprobs import pair_batch
+from runtime.logprobs import on_device, pair_batch
 from runtime.models import link_given_model, load_reward_model, load_tokenizer
 
 USES_RAY = True
@@ -38,7 +38,7 @@ class Config(trainer.TrainerConfig):
 
 def score_pairs(model, tokenizer, rows: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
     """Rewards of prompt+chosen and prompt+rejected, one forward pass over both: (B,), (B,)."""
-    batch = pair_batch(tokenizer, rows)
+    batch = on_device(pair_batch(tokenizer, rows), model)
     rewards = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.squeeze(-1)
     return rewards[:len(rows)], rewards[len(rows):]
 
@@ -62,10 +62,11 @@ class RewardWorker(DeepSpeedWorker):
 
     def loss(self, rows):
         chosen, rejected = score_pairs(self.engine, self.tokenizer, rows)
-        margin = torch.tensor([float(r.get("margin", 0.0)) for r in rows]) if self.cfg.use_margin else None
+        margin = torch.tensor([float(r.get("margin", 0.0)) for r in rows], device=chosen.device) \
+            if self.cfg.use_margin else None
         loss = LOSSES[self.cfg.loss](chosen, rejected, margin)
-        return loss, {"loss": loss.item(), "accuracy": (chosen > rejected).float().mean().item(),
-                      "reward_margin": (chosen - rejected).mean().item()}
+        return loss, {"loss": loss.detach(), "accuracy": (chosen > rejected).float().mean().detach(),
+                      "reward_margin": (chosen - rejected).mean().detach()}
 
     @torch.no_grad()
     def evaluate(self, rows) -> list[tuple[float, float]]:

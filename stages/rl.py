@@ -15,7 +15,6 @@ One config names several variants (e.g. grpo, ppo); each is a separate run of th
 import dataclasses
 import json
 import random
-import shutil
 import statistics
 import time
 from pathlib import Path
@@ -63,6 +62,8 @@ class Config(trainer.TrainerConfig):
     reward: str
     colocate: bool
     eval_prompts: int
+    frozen_ranks: int
+    vllm: dict  # the schema's rl.vllm: engines, tensor parallelism, memory, sleep
 
     @classmethod
     def from_params(cls, params: dict) -> "Config":
@@ -82,12 +83,14 @@ def train_on(group: ActorGroup, cfg: Config, rollout: Rollout, rng: random.Rando
     return {k: statistics.fmean(s[k] for s in stats) for k in stats[0]}
 
 
-def sync_weights(roles: Roles, sync_dir: Path, tokenizer_dir: Path) -> None:
-    """Trainer -> vLLM. On CPU: rank 0 writes the weights, vLLM reloads them and resets its prefix cache.
-    (On GPU the same call is where an NCCL broadcast or CUDA IPC handles would go.)"""
-    shutil.rmtree(sync_dir, ignore_errors=True)
-    roles.policy.call("save_hf", str(sync_dir), str(tokenizer_dir))
-    ray.get(roles.engine.update_weights.remote(str(sync_dir)))
+def sync_weights(roles: Roles) -> None:
+    """Trainer -> vLLM in memory, one module's weights at a time (runtime/weight_sync.py: through Ray's object store
+    on CPU, an NCCL broadcast or CUDA IPC on GPUs); the engines then drop prefixes cached with the old weights."""
+    if roles.engines_asleep:
+        ray.get([engine.wake_up.remote(["weights"]) for engine in roles.engines])
+    roles.policy.call("send_weights", roles.engines, roles.weight_mode)
+    if roles.weight_mode != "memory":
+        ray.get([engine.finish_weight_update.remote() for engine in roles.engines])
 
 
 def adapt_kl(kl_coef: float, kl: float, cfg: Config) -> float:
@@ -123,14 +126,13 @@ def run(cfg: Config, inputs: dict, output: Path, tracker) -> None:
     max_len = max(len(p["prompt_ids"]) for p in prompts + eval_prompts) + cfg.max_new_tokens + 8
     threads = max(1, int(ray.cluster_resources().get("CPU", 1)))
     roles = Roles(cfg, inputs, cfg.steps * rows_per_step // cfg.batch_size * cfg.ppo_epochs, threads, max_len, tracker)
-    sync_dir = output.with_name(output.name + ".weights")
     ckpt_dir = tracker.checkpoint_dir if cfg.checkpoint_every else None
 
     step, log, kl_coef = 0, [], cfg.kl_coef
     if resumed := checkpoints.resume(ckpt_dir, roles.trainers, "rl"):
         step, state = resumed
         log, kl_coef, eval_before = state["log"], state["kl_coef"], state["eval_reward_before"]
-        sync_weights(roles, sync_dir, inputs["model"])
+        sync_weights(roles)
         tracker.log_metrics({"resumed_from_step": step}, step=step)
     else:
         eval_before = held_out_reward(roles, cfg, eval_prompts)
@@ -161,7 +163,7 @@ def run(cfg: Config, inputs: dict, output: Path, tracker) -> None:
             metrics |= train_on(roles.critic, cfg, rollout, train_rng)
         timings["time_train"] = time.perf_counter() - t0
         t0 = time.perf_counter()
-        sync_weights(roles, sync_dir, inputs["model"])
+        sync_weights(roles)
         timings["time_weight_sync"] = time.perf_counter() - t0
         step = s + 1
         kl_coef = adapt_kl(kl_coef, metrics["kl"], cfg)
@@ -177,7 +179,6 @@ def run(cfg: Config, inputs: dict, output: Path, tracker) -> None:
     tracker.log_metrics({"eval_reward": eval_after, "eval_reward_before": eval_before, "final_kl": log[-1]["kl"]},
                         step=step)
     roles.policy.call("save_hf", str(output), str(inputs["model"]))
-    shutil.rmtree(sync_dir, ignore_errors=True)
     trainer.save_log(output, log)
     summary = {"variant": cfg.name, "estimator": cfg.estimator, "steps": step, "eval_reward_before": eval_before,
                "eval_reward": eval_after, "final_reward_mean": log[-1]["reward_mean"], "final_kl": log[-1]["kl"]}

@@ -51,7 +51,7 @@ class SFTWorker(DeepSpeedWorker):
     def loss(self, rows):
         nll, tokens = response_nll(self.engine, tokenize_sft(self.tokenizer, rows))
         loss = nll / tokens.clamp(min=1)
-        return loss, {"loss": loss.item()}
+        return loss, {"loss": loss.detach()}
 
     @torch.no_grad()
     def evaluate(self, rows) -> tuple[float, float]:

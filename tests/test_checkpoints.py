@@ -74,3 +74,17 @@ def test_remove_after_success(tmp_path):
     assert json.loads((ckpt / "latest.json").read_text())["tag"] == "step2"
     checkpoints.remove(ckpt)
     assert not (tmp_path / "checkpoints").exists()
+
+
+def test_checkpoint_dir_apart_from_results(tmp_path):
+    """launcher.checkpoint_dir (a cluster's scratch) holds the checkpoints; by default they sit in the results."""
+    from launcher.config import validate_config
+    from launcher.submit import checkpoint_dir
+    config = validate_config({"results_dir": str(tmp_path / "results"), "launcher": {"checkpoint_dir": str(tmp_path / "scratch")}})
+    context = {key: config[key] for key in ("experiment", "results_dir", "launcher", "tracking")}
+    chosen = checkpoint_dir(context, "rl/grpo/seed0", {"rl": {"steps": 8}})
+    assert chosen.parent == tmp_path / "scratch" / config["experiment"] / "rl-grpo-seed0"
+    context["launcher"] = dict(context["launcher"], checkpoint_dir=None)
+    default = checkpoint_dir(context, "rl/grpo/seed0", {"rl": {"steps": 8}})
+    assert default.parent == tmp_path / "results" / config["experiment"] / "checkpoints" / "rl-grpo-seed0"
+    assert default.name == chosen.name  # keyed by the stage's config either way

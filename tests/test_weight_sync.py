@@ -1,6 +1,6 @@
-"""Trainer -> vLLM weight sync: after each training step and sync, vLLM samples from exactly the trainer's
-policy (its log-probs equal the trainer's) and its greedy output equals the trainer's. Also: the policy trainer's
-checkpoint under LoRA restores it exactly."""
+"""Trainer -> vLLM weight sync (in memory, as the rl stage does it on CPU): after each training step and sync, vLLM
+samples from exactly the trainer's policy (its log-probs equal the trainer's) and its greedy output equals that of
+the model the trainer exports. Also: the policy trainer's checkpoint under LoRA restores it exactly."""
 import os
 import statistics
 import tempfile
@@ -13,12 +13,13 @@ from runtime import checkpoints, models, trainer
 from runtime.builtin_data import load_reviews
 from runtime.experience import Rollout
 from runtime.rl_actors import PolicyWorker
-from runtime.rollout import VLLMEngine
-from launcher.config import stage_config
+from runtime.rollout import start_engines
+from launcher.config import stage_config, validate_config
 from stage_helpers import Tracker
 from stages import rl
 
 pytestmark = pytest.mark.e2e
+VLLM = validate_config({})["rl"]["vllm"]  # the schema's defaults (on CPU the engine uses the CPU build's settings)
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +65,7 @@ def test_vllm_matches_trainer_after_each_sync(tmp_path, local_ray, zero_stage, l
     tokenizer = models.load_tokenizer(base)
     prompt_ids = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in ("a gripping film", "the plot is")]
     policy = start_policy(base, zero_stage, lora_rank, batch_size=8)
-    engine = ray.remote(num_cpus=0.5)(VLLMEngine).remote(str(base), 0, 64)
+    engine = start_engines(str(base), 0, 64, VLLM, 1, 0.5, gpus=False)[0]
 
     def sample(seed: int) -> Rollout:
         outputs = ray.get(engine.generate.remote(prompt_ids, 4, 1.0, 1.0, 8, seed))
@@ -85,10 +86,10 @@ def test_vllm_matches_trainer_after_each_sync(tmp_path, local_ray, zero_stage, l
         assert gap < 1e-4, f"step {step}: vLLM samples from other weights than the trainer's (gap {gap:.4f})"
         rows.advantages = torch.tensor([1.0 if i % 2 else -1.0 for i in range(rows.mask.shape[1])]) * rows.mask
         policy.call_per_rank("train_step", [[rows]])
-        synced = tmp_path / f"synced{step}"
-        policy.call("save_hf", str(synced), str(base))
-        ray.get(engine.update_weights.remote(str(synced)))
-        assert greedy() == hf_greedy(synced, prompt_ids, 8)
+        assert policy.call("send_weights", [engine], "memory")[0] > 0
+        exported = tmp_path / f"exported{step}"
+        policy.call("save_hf", str(exported), str(base))
+        assert greedy() == hf_greedy(exported, prompt_ids, 8)
     assert greedy() != first, "three training steps should have changed the greedy output"
     policy.shutdown()
 
@@ -100,7 +101,7 @@ def test_seeded_batch_larger_than_one_prefill_step(tmp_path, local_ray):
     tokenizer = models.load_tokenizer(base)
     prompt_ids = [tokenizer(t, add_special_tokens=False)["input_ids"][:40] for t in texts[:200]]
     assert sum(map(len, prompt_ids)) * 2 > 4096  # two samples each: more than one step's token budget
-    engine = ray.remote(num_cpus=1)(VLLMEngine).remote(str(base), 0, 64)
+    engine = start_engines(str(base), 0, 64, VLLM, 1, 1, gpus=False)[0]
     together = ray.get(engine.generate.remote(prompt_ids, 2, 1.0, 1.0, 4, 7))
     first = ray.get(engine.generate.remote(prompt_ids[:100], 2, 1.0, 1.0, 4, 7))
     ray.kill(engine)

@@ -107,3 +107,31 @@ def test_ray_addresses_and_ports():
     worker_cmd = ray_start_command("10.0.0.1:30000", "10.0.0.2", 30000, res, "/tmp/y")
     assert "--address=10.0.0.1:30000" in worker_cmd and "--head" not in worker_cmd
     assert not any(arg.startswith("--ray-client-server-port") for arg in worker_cmd)
+
+
+def test_gpu_jobs_count_gpus_per_role():
+    """On a GPU job every rank, frozen-model rank and engine GPU takes a GPU: summed, or the largest role when the
+    roles share GPUs (colocate); settings that need GPUs are refused on a job without them."""
+    rl = {"num_workers": 4, "frozen_ranks": 2, "estimator": "gae", "reward": "model", "colocate": False,
+          "zero_stage": 3, "vllm": {"num_engines": 2, "tensor_parallel_size": 2, "sleep": False}}
+    res, sources = stage_resources("rl", launcher(gpus_per_node=8), {"cluster": "slurm"})
+    with pytest.raises(LaunchConfigError, match=r"needs 16 GPUs \(policy 4, reference 2, vLLM 4, critic 4, reward "
+                                                r"model 2; summed\).* 1 node\(s\) .* x 8 GPUs .* = 8"):
+        check_fits("rl", {"rl": rl}, res, sources)
+    check_fits("rl", {"rl": rl | {"colocate": True}}, res, sources)  # the largest role: 4 of 8
+    res2, sources2 = stage_resources("rl", launcher(gpus_per_node=8, stages={"rl": {"nodes": 2}}), {"cluster": "slurm"})
+    check_fits("rl", {"rl": rl}, res2, sources2)
+    with pytest.raises(LaunchConfigError, match=r"tensor_parallel_size = 16 .* exceed a node's 8"):
+        check_fits("rl", {"rl": rl | {"colocate": True, "vllm": {"num_engines": 1, "tensor_parallel_size": 16}}},
+                   res2, sources2)
+    with pytest.raises(LaunchConfigError, match=r"vllm.sleep needs colocate: true and zero_stage: 3"):
+        check_fits("rl", {"rl": rl | {"vllm": {"num_engines": 1, "sleep": True}}}, res2, sources2)
+    cpu, cpu_sources = stage_resources("rl", launcher(), {})
+    for gpu_only, key in [({"vllm": {"tensor_parallel_size": 2}}, "vllm.tensor_parallel_size"),
+                          ({"vllm": {"sleep": True}}, "vllm.sleep"), ({"offload_optimizer": True}, "offload_optimizer"),
+                          ({"precision": "bf16"}, "precision")]:
+        with pytest.raises(LaunchConfigError, match=rf"rl.{key} = .* needs GPUs"):
+            check_fits("rl", {"rl": {"num_workers": 1} | gpu_only}, cpu, cpu_sources)
+    res, sources = stage_resources("sft", launcher(gpus_per_node=2), {})
+    with pytest.raises(LaunchConfigError, match=r"stage sft needs 4 GPUs \(trainer 4"):
+        check_fits("sft", {"sft": {"num_workers": 4}}, res, sources)

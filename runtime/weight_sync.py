@@ -1,0 +1,113 @@
+"""Trainer -> vLLM weight hand-over after each RL step, without disk.
+
+The policy's ranks walk the model one module at a time (`hf_weights`): under ZeRO-3 they gather just that module's
+parameters, so no rank ever holds the whole model; LoRA adapters are folded into their layer's weight. Names are
+the Hugging Face checkpoint's, which vLLM's `load_weights` maps onto its own layers. Rank 0 hands each tensor over:
+
+- `memory` (CPU): the tensors go through Ray's object store in one batch and vLLM reloads them in place
+  (`reload_weights` with an iterator instead of a checkpoint path).
+- `nccl` (GPUs, engines on GPUs of their own): rank 0 and every vLLM worker form one NCCL group
+  (`init_weight_group`); each tensor is broadcast from rank 0 and loaded as it arrives.
+- `ipc` (GPUs shared with the engines, `colocate`): every rank makes a CUDA IPC handle of its gathered copy on its
+  GPU; each vLLM worker opens the handle of the rank on its own GPU (NCCL cannot have two ranks on one GPU).
+
+The functions at the bottom run inside vLLM's workers (`LLM.collective_rpc`); `worker` is vLLM's worker object.
+Only the `memory` path runs in CI (tests/test_weight_sync.py); `nccl` and `ipc` need GPUs and vLLM's CUDA build.
+"""
+import contextlib
+
+import ray
+import torch
+
+from runtime.lora import LoRALinear
+
+
+def hf_weights(model, zero3: bool):
+    """(name, full tensor) for every parameter of `model` as its Hugging Face checkpoint names it, one module at a
+    time; every rank must iterate (under ZeRO-3 each module's gather is collective). A tensor is valid only until the
+    next one is produced. Tied weights (an LM head sharing the embeddings) come once, as save_pretrained writes them."""
+    import deepspeed
+    seen = set()
+    for module_name, module in model.named_modules():
+        params = [(name, p) for name, p in module.named_parameters(recurse=False) if id(p) not in seen]
+        if not params:
+            continue
+        seen.update(id(p) for _, p in params)
+        gather = deepspeed.zero.GatheredParameters([p for _, p in params]) if zero3 else contextlib.nullcontext()
+        with gather, torch.no_grad():
+            if isinstance(module, LoRALinear):
+                tensors = [("weight", module.merged_weight())] + ([("bias", module.bias)] if module.bias is not None else [])
+            else:
+                tensors = params
+            for name, tensor in tensors:
+                yield (f"{module_name}.{name}" if module_name else name), tensor.detach()
+
+
+def send_weights(worker, engines: list, mode: str) -> int:
+    """Runs on every rank of the policy (`worker`, a DeepSpeedWorker): hand the current weights to `engines`.
+    Returns the number of tensors sent (rank 0) or 0."""
+    zero3 = worker.zero_stage == 3
+    weights = hf_weights(worker.engine.module, zero3)
+    if mode == "memory":
+        # (clone: a gathered tensor is freed after use; the other ranks only take part in the gathers)
+        batch = [(name, tensor.clone()) for name, tensor in weights] if worker.rank == 0 else [None for _ in weights]
+        if worker.rank == 0:
+            ref = ray.put(batch)
+            ray.get([engine.load_weights.remote(ref) for engine in engines])
+        return len(batch) if worker.rank == 0 else 0
+    sent = 0
+    for name, tensor in weights:
+        if mode == "nccl":
+            if worker.rank == 0:
+                pending = [engine.receive_broadcast.remote(name, str(tensor.dtype).removeprefix("torch."),
+                                                           list(tensor.shape)) for engine in engines]
+                worker.weight_comm.broadcast(tensor.contiguous(), src=0, stream=torch.cuda.current_stream())
+                ray.get(pending)
+        else:  # ipc: every rank offers its copy, keyed by its GPU's UUID
+            from torch.multiprocessing.reductions import reduce_tensor
+            copy = tensor.contiguous().clone()
+            handles: list = [None] * worker.world_size
+            torch.distributed.all_gather_object(handles, {gpu_uuid(): reduce_tensor(copy)})
+            if worker.rank == 0:
+                by_gpu = {uuid: handle for part in handles for uuid, handle in part.items()}
+                ray.get([engine.receive_ipc.remote(name, by_gpu) for engine in engines])
+            torch.distributed.barrier()  # the engines have copied it before `copy` is freed
+        sent += 1
+    return sent if worker.rank == 0 else 0
+
+
+def init_trainer_group(worker, master_address: str, master_port: int, world_size: int) -> None:
+    """Rank 0 of the policy joins the NCCL group with the vLLM workers as its rank 0."""
+    from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
+    from vllm.distributed.utils import StatelessProcessGroup
+    group = StatelessProcessGroup.create(host=master_address, port=master_port, rank=0, world_size=world_size)
+    worker.weight_comm = PyNcclCommunicator(group, device=torch.cuda.current_device())
+
+
+def gpu_uuid() -> str:
+    return str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
+
+
+# Inside vLLM's workers.
+
+def vllm_init_weight_group(worker, master_address: str, master_port: int, rank_offset: int, world_size: int) -> None:
+    from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
+    from vllm.distributed.utils import StatelessProcessGroup
+    group = StatelessProcessGroup.create(host=master_address, port=master_port, rank=rank_offset + worker.rank,
+                                         world_size=world_size)
+    worker.weight_comm = PyNcclCommunicator(group, device=worker.device)
+
+
+def vllm_receive_broadcast(worker, name: str, dtype: str, shape: list) -> None:
+    tensor = torch.empty(shape, dtype=getattr(torch, dtype), device=worker.device)
+    worker.weight_comm.broadcast(tensor, src=0, stream=torch.cuda.current_stream())
+    worker.model_runner.model.load_weights(weights=[(name, tensor)])
+
+
+def vllm_receive_ipc(worker, name: str, handles: dict) -> None:
+    rebuild, args = handles[gpu_uuid()]
+    args = list(args)
+    args[6] = torch.cuda.current_device()  # the device index as this process numbers it
+    tensor = rebuild(*args)
+    worker.model_runner.model.load_weights(weights=[(name, tensor)])
+    torch.cuda.synchronize()

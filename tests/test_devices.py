@@ -1,0 +1,159 @@
+"""GPU placement and devices, checked on this CPU machine.
+
+1. Every training and log-prob path keeps its tensors on the model's device: the workers' losses run with the
+   model on the `meta` device, where a tensor left on the CPU (a batch not moved, a mask or constant built on the
+   CPU) raises.
+2. Ray started with GPUs declared: each trainer rank, frozen-model rank and vLLM engine gets its own GPU ids and
+   the CUDA_VISIBLE_DEVICES that follows from them; colocated roles share the GPUs of one placement group; a
+   tensor-parallel engine names its bundles for vLLM's Ray workers.
+"""
+import os
+import sys
+import tempfile
+
+import pytest
+import ray
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification, LlamaForTokenClassification
+
+from launcher.config import stage_config, validate_config
+from runtime.actor_group import ActorGroup, bundles, reserve
+from runtime.experience import Rollout
+from runtime.logprobs import response_logprobs
+from runtime.rl_actors import CriticWorker, PolicyWorker
+from runtime.rollout import engine_options, engine_placements, start_engines
+from stages import dpo, reward_model, rl, sft
+
+CONFIG = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                     pad_token_id=0)
+
+
+class Tokenizer:
+    """Enough of a tokenizer for pair and SFT batches: one id per character."""
+    pad_token_id = 0
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [1 + ord(c) % 60 for c in text]}
+
+
+def on_meta(model_cls):
+    with torch.device("meta"):  # eager attention: sdpa's mask helper reads mask values, which meta tensors lack
+        return model_cls._from_config(CONFIG, attn_implementation="eager")
+
+
+def rollout() -> Rollout:
+    responses = [[8, 9, 10, 11], [12, 13]]
+    per_token = lambda value: [[value] * len(r) for r in responses]
+    return Rollout.of([[5, 6, 7], [5, 6]], responses, advantages=per_token(1.0), ref_logp=per_token(-4.0),
+                      rollout_logp=per_token(-4.1), old_logp=per_token(-4.05), old_values=per_token(0.1),
+                      returns=per_token(0.5))
+
+
+PAIRS = [{"prompt": "ab", "chosen": "good", "rejected": "bad", "margin": 1.0},
+         {"prompt": "cd", "chosen": "fine", "rejected": "poor", "margin": 0.5}]
+
+
+def test_losses_and_logprobs_stay_on_the_models_device():
+    policy = PolicyWorker()
+    policy.engine, policy.pad_id = on_meta(LlamaForCausalLM), 0
+    policy.cfg = stage_config(rl, {"rl": {"entropy_coef": 0.01, "kl_in_reward": False, "kl_coef": 0.1}})
+    loss, stats = policy.loss(rollout())
+    assert loss.device.type == "meta" and all(v.device.type == "meta" for v in stats.values())
+
+    critic = CriticWorker()
+    critic.engine, critic.pad_id, critic.cfg = on_meta(LlamaForTokenClassification), 0, policy.cfg
+    assert critic.loss(rollout())[0].device.type == "meta"
+
+    logp, mask = response_logprobs(policy.engine, rollout().tokens(0))
+    assert logp.device.type == "meta" and mask.device.type == "meta"
+
+    worker = sft.SFTWorker()
+    worker.engine, worker.tokenizer = policy.engine, Tokenizer()
+    assert worker.loss([{"prompt": p["prompt"], "response": p["chosen"]} for p in PAIRS])[0].device.type == "meta"
+
+    for loss_name in ("dpo", "kto"):
+        worker = dpo.DPOWorker()
+        worker.engine, worker.reference, worker.tokenizer = policy.engine, on_meta(LlamaForCausalLM), Tokenizer()
+        worker.cfg = stage_config(dpo, {"dpo": {"loss": loss_name, "nll_weight": 0.1}})
+        assert worker.loss(PAIRS)[0].device.type == "meta", loss_name
+
+    worker = reward_model.RewardWorker()
+    worker.engine, worker.tokenizer = on_meta(LlamaForSequenceClassification), Tokenizer()
+    worker.cfg = stage_config(reward_model, {"reward_model": {"use_margin": True}})
+    assert worker.loss(PAIRS)[0].device.type == "meta"
+
+
+def test_engine_options_and_placements_follow_the_config(tmp_path):
+    vllm = validate_config({"rl": {"vllm": {"num_engines": 2, "tensor_parallel_size": 2}}})["rl"]["vllm"]
+    (tmp_path / "config.json").write_text("{}")
+    cpu = engine_options(str(tmp_path), 0, 128, vllm, on_gpu=False, dtype="bfloat16", shares_gpu=False)
+    assert cpu["dtype"] == "float32" and cpu["enforce_eager"] and "tensor_parallel_size" not in cpu
+    gpu = engine_options(str(tmp_path), 0, 128, vllm, on_gpu=True, dtype="bfloat16", shares_gpu=True)
+    assert (gpu["dtype"], gpu["tensor_parallel_size"], gpu["distributed_executor_backend"]) == ("bfloat16", 2, "ray")
+    assert gpu["gpu_memory_utilization"] == 0.4 and gpu["enforce_eager"] is False and gpu["enable_prefix_caching"]
+    assert engine_options(str(tmp_path), 0, 128, vllm | {"sleep": True}, True, "bfloat16", True)[
+        "gpu_memory_utilization"] == 0.9
+    placed = engine_placements(2, 2, 0.25)
+    assert [p["env"]["VLLM_RAY_BUNDLE_INDICES"] for p in placed] == ["0,1", "2,3"]
+    assert all(p["num_gpus"] == 0 and p["env"]["VLLM_RAY_PER_WORKER_GPUS"] == "0.25" for p in placed)
+    assert [(p["bundle"], p["num_gpus"]) for p in engine_placements(3, 1, 1.0)] == [(0, 1.0), (1, 1.0), (2, 1.0)]
+
+
+class Probe:
+    """Stands in for a rank or an engine: what Ray gave it (ActorGroup adds actor_group_where)."""
+
+    def __init__(self, *args):
+        self.args = args
+
+    def rendezvous_address(self):
+        return "127.0.0.1", 0
+
+    def devices(self) -> dict:
+        return {"gpu_ids": [str(g) for g in ray.get_gpu_ids()], "visible": os.environ.get("CUDA_VISIBLE_DEVICES"),
+                "bundle_indices": os.environ.get("VLLM_RAY_BUNDLE_INDICES")}
+
+
+@pytest.fixture(scope="module")
+def ray_with_gpus():
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # Ray's workers cannot import tests/
+    ray.init(num_cpus=2, num_gpus=8, include_dashboard=False, logging_level="WARNING",
+             _temp_dir=tempfile.mkdtemp(prefix="ray-test-", dir="/tmp"))
+    yield
+    ray.shutdown()
+
+
+@pytest.mark.e2e
+def test_each_rank_and_engine_gets_its_own_gpu(ray_with_gpus):
+    trainers = ActorGroup(Probe, 4, cpus_per_actor=0.1, gpus_per_actor=1)
+    frozen = ActorGroup(Probe, 2, cpus_per_actor=0.1, gpus_per_actor=1)
+    vllm = validate_config({})["rl"]["vllm"] | {"num_engines": 2}
+    engines = start_engines("model", 0, 64, vllm, 1, 0.1, gpus=True, engine_cls=Probe)
+    seen = trainers.call("devices") + frozen.call("devices") + ray.get([e.devices.remote() for e in engines])
+    ids = [tuple(s["gpu_ids"]) for s in seen]
+    assert all(len(i) == 1 for i in ids) and len(set(ids)) == 8, seen  # eight distinct GPUs of the eight declared
+    assert all(s["visible"] == s["gpu_ids"][0] for s in seen), "each process sees its own GPU only, as device 0"
+    assert [p["gpu_ids"] for p in trainers.placements] == [s["gpu_ids"] for s in seen[:4]]
+    for group in (trainers, frozen):
+        group.shutdown()
+    for engine in engines:
+        ray.kill(engine)
+
+
+@pytest.mark.e2e
+def test_colocated_roles_share_each_gpu(ray_with_gpus):
+    shared = reserve(bundles(4, 0.4, 1), "PACK", "colocated roles")
+    policy = ActorGroup(Probe, 4, cpus_per_actor=0, gpus_per_actor=1 / 3, shared=shared)
+    reference = ActorGroup(Probe, 4, cpus_per_actor=0, gpus_per_actor=1 / 3, shared=shared)
+    vllm = validate_config({})["rl"]["vllm"] | {"num_engines": 2, "tensor_parallel_size": 2}
+    engines = start_engines("model", 0, 64, vllm, 1, 0, gpus=True, shared=shared, gpu_share=1 / 3, engine_cls=Probe)
+    ranks = [s["gpu_ids"] for s in policy.call("devices")]
+    assert len({tuple(r) for r in ranks}) == 4
+    assert [s["gpu_ids"] for s in reference.call("devices")] == ranks, "rank i of every role on bundle i's GPU"
+    tp = ray.get([e.devices.remote() for e in engines])
+    assert [t["bundle_indices"] for t in tp] == ["0,1", "2,3"] and all(t["gpu_ids"] == [] for t in tp)
+    for engine in engines:
+        ray.kill(engine)
+    policy.shutdown()
+    reference.shutdown()
+    ray.util.remove_placement_group(shared)
