@@ -117,7 +117,7 @@ class DeepSpeedWorker:
             targets = resolve_targets(model, cfg.lora_targets)
             trainable = apply_lora(model, cfg.lora_rank, cfg.lora_alpha, targets, self.TRAINS_HEAD)
             print(f"[{type(self).__name__}] LoRA r{cfg.lora_rank} on {', '.join(targets)}: {trainable:,} of "
-                  f"{sum(p.numel() for p in model.parameters()):,} parameters train", flush=True)
+                  f"{sum(getattr(p, 'ds_numel', p.numel()) for p in model.parameters()):,} parameters train", flush=True)
         optimizer = torch.optim.AdamW(self.param_groups(model, cfg.learning_rate), lr=cfg.learning_rate,
                                       weight_decay=cfg.weight_decay, fused=True)
         scheduler = warmup_cosine(optimizer, cfg.warmup_steps, rank.total_steps)

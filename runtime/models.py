@@ -115,6 +115,16 @@ def load_causal_lm(path, dtype: str = "float32", attn_implementation: str | None
     return _load("AutoModelForCausalLM", path, dtype, attn_implementation)
 
 
+def meta_causal_lm(path):
+    """The directory's model built from its config on the meta device: its structure and sizes, no weights."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    trust = trusts_remote_code(path)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path, trust_remote_code=trust),
+                                                trust_remote_code=trust)
+
+
 def load_reward_model(path, dtype: str = "float32", attn_implementation: str | None = None):
     """A causal LM directory (or a trained reward model) as a one-output sequence classifier."""
     model = _load("AutoModelForSequenceClassification", path, dtype, attn_implementation, num_labels=1)

@@ -91,7 +91,7 @@ class CriticWorker(DeepSpeedWorker):
         batch = on_device(rollout.tokens(self.pad_id), self.engine)
         mask = batch["loss_mask"][:, 1:]
         # The value of the state before each response token: logits at position t-1, shape (B, T).
-        values = self.engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1, 0]
+        values = self.engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1, 0].float()
         return values * mask, mask
 
     @torch.no_grad()
@@ -174,7 +174,9 @@ class Roles:
                 gpu = 1 / roles
             else:
                 gpu = 1
-        cpus = (0 if shared else ROLE_CPUS) if cfg.colocate else 1
+        # Colocated on CPU, every actor takes an equal share of the job's cores (at most ROLE_CPUS) so that all fit.
+        actors = cfg.num_workers * (1 + wants_critic) + cfg.frozen_ranks * (1 + wants_reward) + cfg.vllm["num_engines"]
+        cpus = (0 if shared else min(ROLE_CPUS, int(100 * ray.cluster_resources().get("CPU", 1) / actors) / 100)) if cfg.colocate else 1
         start = lambda cls, c: trainer.start_workers(cls, c, inputs["model"], total_train_steps, tracker,
                                                      cpus_per_actor=cpus, gpus_per_actor=gpu, shared=shared)
         self.policy = start(PolicyWorker, cfg)

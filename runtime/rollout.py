@@ -35,8 +35,8 @@ def engine_options(model_dir: str, seed: int, max_model_len: int, vllm: dict, on
         # split across steps, which chunked prefill does once a batch's prompts exceed the token budget.
         return options | dict(dtype="float32", enforce_eager=True, gpu_memory_utilization=0.9,
                               enable_chunked_prefill=False, max_num_batched_tokens=max(4096, max_model_len))
-    sleep = vllm.get("sleep", False)
-    memory = vllm["gpu_memory_utilization"] or (0.4 if shares_gpu and not sleep else 0.9)
+    sleep = vllm.get("sleep", False)  # (engines start after the trainers: even a sleeping one needs its share free)
+    memory = vllm["gpu_memory_utilization"] or (0.5 if shares_gpu else 0.9)
     options |= dict(dtype=dtype, enforce_eager=bool(vllm["enforce_eager"]), gpu_memory_utilization=memory,
                     tensor_parallel_size=vllm["tensor_parallel_size"],
                     enable_prefix_caching=vllm["enable_prefix_caching"], enable_sleep_mode=sleep)

@@ -90,9 +90,8 @@ def test_engine_options_and_placements_follow_the_config(tmp_path):
     assert cpu["dtype"] == "float32" and cpu["enforce_eager"] and "tensor_parallel_size" not in cpu
     gpu = engine_options(str(tmp_path), 0, 128, vllm, on_gpu=True, dtype="bfloat16", shares_gpu=True)
     assert (gpu["dtype"], gpu["tensor_parallel_size"], gpu["distributed_executor_backend"]) == ("bfloat16", 2, "ray")
-    assert gpu["gpu_memory_utilization"] == 0.4 and gpu["enforce_eager"] is False and gpu["enable_prefix_caching"]
-    assert engine_options(str(tmp_path), 0, 128, vllm | {"sleep": True}, True, "bfloat16", True)[
-        "gpu_memory_utilization"] == 0.9
+    assert gpu["gpu_memory_utilization"] == 0.5 and gpu["enforce_eager"] is False and gpu["enable_prefix_caching"]
+    assert engine_options(str(tmp_path), 0, 128, vllm, True, "bfloat16", shares_gpu=False)["gpu_memory_utilization"] == 0.9
     placed = engine_placements(2, 2, 0.25)
     assert [p["env"]["VLLM_RAY_BUNDLE_INDICES"] for p in placed] == ["0,1", "2,3"]
     assert all(p["num_gpus"] == 0 and p["env"]["VLLM_RAY_PER_WORKER_GPUS"] == "0.25" for p in placed)

@@ -4,6 +4,7 @@ then the same experiment started from an SFT model and a reward model they alrea
 arithmetic task (config/arithmetic.yaml) on a tiny Mistral. Each runs the whole DAG through the real parts."""
 import csv
 import json
+import math
 import random
 from pathlib import Path
 
@@ -78,23 +79,27 @@ def build_user_model(out_dir: Path, architecture: str, texts: list[str], chat: b
             path.write_text(json.dumps(json.loads(path.read_text()) | {"eos_token_id": tokenizer.eos_token_id}))
 
 
-def user_config(root: Path, model_dir: Path, files: dict, chat: bool, **overrides) -> Path:
+def user_config(root: Path, model_dir: Path, files: dict, chat: bool, ppo: dict | None = None, **overrides) -> Path:
     data = files["data"] | ({} if chat else {"apply_chat_template": False, "input_template": "User: {}\nAssistant: "})
     settings = dict(
         experiment=root.name, seeds=None, model={"path": str(model_dir)}, data=data,
         sft={"lora_rank": 4, "lora_alpha": 8}, reward_model={"lora_rank": 4, "lora_alpha": 8, "lora_targets": "all-linear"},
         rl={"steps": 4, "eval_prompts": 8, "reward": files["reward"],
-            "variants": {"grpo": {"estimator": "group_norm"}, "ppo": {"estimator": "gae", "reward": "model", "lora_rank": 4}}},
+            "variants": {"grpo": {"estimator": "group_norm"}, "ppo": {"estimator": "gae", "reward": "model", "lora_rank": 4} | (ppo or {})}},
         evaluate={"models": ["base", "sft", "dpo", "grpo", "ppo"], "rewards": [files["reward"], "model"]})
     root.mkdir(parents=True, exist_ok=True)
     return write_config(root / "config.yaml", root / "results", **(settings | overrides))
 
 
-def run_user_experiment(root: Path, architecture: str, chat: bool) -> dict:
+def run_user_experiment(root: Path, architecture: str, chat: bool, cluster_settings: bool = False) -> dict:
+    """`cluster_settings`: PPO with the settings of a GPU cluster run that also work on CPU (two vLLM engines, ZeRO-3
+    with the reference and reward model sharded over two ranks, micro-batched forwards, gradient checkpointing)."""
     files = write_user_files(root / "my_data", chat)
     model_dir = root / f"my-{architecture}"
     build_user_model(model_dir, architecture, files["texts"], chat)
-    configfile = user_config(root, model_dir, files, chat)
+    ppo = {"zero_stage": 3, "frozen_ranks": 2, "forward_micro_batch_size": 4, "gradient_checkpointing": True,
+           "vllm": {"num_engines": 2}} if cluster_settings else {}
+    configfile = user_config(root, model_dir, files, chat, ppo)
     proc = snakemake(configfile, "all")
     return {"root": root, "files": files, "model_dir": model_dir, "results": root / "results" / root.name, "proc": proc,
             "mlflow": MlflowClient(tracking_uri=f"sqlite:///{root / 'results' / 'mlflow.db'}")}
@@ -102,7 +107,8 @@ def run_user_experiment(root: Path, architecture: str, chat: bool) -> dict:
 
 @pytest.fixture(scope="module")
 def qwen2_run(tmp_path_factory):
-    return run_user_experiment(tmp_path_factory.mktemp("qwen2") / "user-qwen2", "qwen2", chat=True)
+    return run_user_experiment(tmp_path_factory.mktemp("qwen2") / "user-qwen2", "qwen2", chat=True,
+                               cluster_settings=True)
 
 
 @pytest.fixture(scope="module")
@@ -133,6 +139,17 @@ def test_users_model_data_and_reward_through_the_whole_dag(request, run_name, ar
         ["q_proj", "v_proj"], ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"])
     assert f"LoRA r4 on {', '.join(default)}:" in (results / "logs" / "sft.log").read_text()  # the default
     assert f"LoRA r4 on {', '.join(every)}:" in (results / "logs" / "reward_model.log").read_text()  # all-linear
+
+
+def test_cluster_settings_run_on_cpu(qwen2_run):
+    """The qwen2 run's PPO: two vLLM engines, reference and reward model each sharded (ZeRO-3) over two ranks."""
+    record = json.loads((qwen2_run["results"] / "rl" / "ppo" / "seed0" / "stage.json").read_text())
+    ranks = [(a["group"], a["rank"]) for a in record["job"]["actors"]]
+    assert ranks.count(("FrozenScorer", 0)) == 2 and ranks.count(("FrozenScorer", 1)) == 2, ranks
+    log = (qwen2_run["results"] / "logs" / "rl-ppo-seed0.log").read_text()
+    assert "ZeRO-3 ranks" in log and log.count("VLLMEngine pid=") and "held-out reward" in log
+    metrics = json.loads((qwen2_run["results"] / "rl" / "ppo" / "seed0" / "metrics.json").read_text())
+    assert metrics["steps"] == 4 and math.isfinite(metrics["final_kl"])
 
 
 def test_responses_end_with_the_end_of_turn_not_eos(qwen2_run, gpt2_run):

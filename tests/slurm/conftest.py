@@ -34,13 +34,14 @@ def _script(cmd: str, run_dir: Path, timeout: float) -> subprocess.CompletedProc
 
 @pytest.fixture(scope="session")
 def slurm_cluster(tmp_path_factory):
-    """A running cluster: nodes n1 (10.77.0.11) and n2 (10.77.0.12), each CPUs=2 RealMemory=8000.
+    """A running cluster: nodes n1 (10.77.0.11) and n2 (10.77.0.12), each CPUs=2 RealMemory=8000 Gres=gpu:2
+    (placeholder GPUs: jobs may ask for --gpus-per-node, nothing runs on them; see local_cluster.sh).
 
     Sets SLURM_CONF (and the ALIGNPIPE_SLURM_* variables of env.sh) in os.environ for the session, so
     submitit, sbatch and sacct called from the tests find the cluster. Yields a dict:
       run_dir, slurm_conf, env (os.environ with those variables), partition ("debug", the default),
       preempt_partition ("high": same nodes, its jobs preempt and requeue debug jobs),
-      nodes ({"n1": "10.77.0.11", "n2": "10.77.0.12"}), controller_addr ("10.77.0.1"), script.
+      nodes ({"n1": "10.77.0.11", "n2": "10.77.0.12"}), gpus_per_node (2), controller_addr ("10.77.0.1"), script.
     Job ids restart at 1 in every session: give each submitit executor a fresh folder.
     """
     if os.geteuid() != 0:
@@ -71,6 +72,7 @@ def slurm_cluster(tmp_path_factory):
             "nodes": dict(
                 zip(exported["ALIGNPIPE_SLURM_NODES"].split(), exported["ALIGNPIPE_SLURM_NODE_ADDRS"].split())
             ),
+            "gpus_per_node": int(exported["ALIGNPIPE_SLURM_NODE_GPUS"]),
             "controller_addr": exported["ALIGNPIPE_SLURM_CONTROLLER_ADDR"],
             "script": SCRIPT,
         }

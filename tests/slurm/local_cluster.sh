@@ -13,8 +13,16 @@
 # Needs root. Daemons do not auto-start on this image, so every daemon is started here, stdio redirected.
 # Facts behind the choices: shared/notes/slurm-local-cluster.md.
 #
+# GPUs: every node declares AP_SLURM_NODE_GPUS GPUs (GRES gpu, AutoDetect=off), so --gpus-per-node jobs are accepted
+# and scheduled as on a GPU cluster; nothing runs on them. Slurm 22.05 drops a file-less GPU from a node's GRES
+# ("Removing file-less GPU", Flags=CountOnly too) and the node goes INVAL ("gres/gpu count reported lower than
+# configured (0 < 2)"), so gres.conf names placeholder files RUN_DIR/dev/gpu0, gpu1 (empty regular files, not
+# devices: slurmd logs "... is not a valid character or block device" once and counts them; with
+# ConstrainDevices=no and TaskPlugin=task/none nothing is bound). sacct's AllocTRES shows gres/gpu=N
+# (AccountingStorageTRES=gres/gpu).
+#
 # Environment knobs (all optional):
-#   AP_SLURM_NODE_CPUS (2)  AP_SLURM_NODE_MEM_MB (8000)  AP_SLURM_UP_TIMEOUT (120 s)
+#   AP_SLURM_NODE_CPUS (2)  AP_SLURM_NODE_MEM_MB (8000)  AP_SLURM_NODE_GPUS (2; 0: no GRES)  AP_SLURM_UP_TIMEOUT (120 s)
 #   AP_SLURM_PROCTRACK (auto | cgroup | linuxproc; auto = cgroup where the cgroup v1 freezer is mounted:
 #   it kills what a job left behind, linuxproc does not)  AP_SLURM_CRED_EXPIRE (20 s: a requeued job
 #   stays PENDING (Reason=BeginTime) about this long before it may start again; Slurm's default is 120)
@@ -44,6 +52,7 @@ NETNS_PREFIX=apslurm-             # netns names: apslurm-n1, apslurm-n2 (hostnam
 VETH_PREFIX=apsl-                 # host side of each veth: apsl-n1, apsl-n2
 NODE_CPUS=${AP_SLURM_NODE_CPUS:-2}
 NODE_MEM_MB=${AP_SLURM_NODE_MEM_MB:-8000}
+NODE_GPUS=${AP_SLURM_NODE_GPUS:-2}
 UP_TIMEOUT=${AP_SLURM_UP_TIMEOUT:-120}
 PROCTRACK=${AP_SLURM_PROCTRACK:-auto}
 CRED_EXPIRE=${AP_SLURM_CRED_EXPIRE:-20}
@@ -225,7 +234,7 @@ down_dir() {  # stop the daemons that a run dir's pid files name
     stop_pidfiles 15 "$d/run/slurmctld.pid:slurmctld"
     stop_pidfiles 30 "${dbs[@]}"
     say "daemons of $d stopped"
-    rm -rf "$d/mysql" "$d/state" "$d/spool" "$d/env.sh"
+    rm -rf "$d/mysql" "$d/state" "$d/spool" "$d/dev" "$d/env.sh"
 }
 active_run_dir() { cat "$ACTIVE/run_dir" 2>/dev/null || true; }
 kill_jobs() {
@@ -305,6 +314,7 @@ write_configs() {
     if [[ $PROCTRACK == auto ]]; then
         if [[ -f /sys/fs/cgroup/freezer/cgroup.procs ]]; then PROCTRACK=cgroup; else PROCTRACK=linuxproc; fi
     fi
+    [[ $NODE_GPUS =~ ^[0-9]+$ ]] || die "AP_SLURM_NODE_GPUS must be a whole number, not $NODE_GPUS"
     case $PROCTRACK in
         cgroup) proctrack_line="ProctrackType=proctrack/cgroup" ;;
         linuxproc) proctrack_line="ProctrackType=proctrack/linuxproc" ;;
@@ -340,6 +350,8 @@ JobAcctGatherFrequency=30
 AccountingStorageType=accounting_storage/slurmdbd
 AccountingStorageHost=$BRIDGE_IP
 AccountingStoragePort=$dbd_port
+AccountingStorageTRES=gres/gpu
+GresTypes=gpu
 JobCompType=jobcomp/none
 MpiDefault=none
 MailProg=/bin/true
@@ -357,12 +369,26 @@ SlurmctldTimeout=60
 SlurmdTimeout=60
 MessageTimeout=10
 EOF
+    local gres=""
+    if [[ $NODE_GPUS -gt 0 ]]; then gres=" Gres=gpu:$NODE_GPUS"; fi
     for i in "${!NODES[@]}"; do
         n=${NODES[$i]}
-        echo "NodeName=$n NodeHostname=$n NodeAddr=${NODE_IPS[$i]} CPUs=$NODE_CPUS RealMemory=$NODE_MEM_MB State=UNKNOWN" >>"$CONF"
+        echo "NodeName=$n NodeHostname=$n NodeAddr=${NODE_IPS[$i]} CPUs=$NODE_CPUS RealMemory=$NODE_MEM_MB$gres State=UNKNOWN" >>"$CONF"
     done
     local nodelist
     nodelist=$(IFS=,; echo "${NODES[*]}")
+    # GPUs without hardware (see the top): AutoDetect=off (no NVML/RSMI probing) and placeholder files, which every
+    # node shares. slurmd reads gres.conf next to slurm.conf.
+    rm -rf "$RUN_DIR/dev"
+    {
+        echo "# Written by tests/slurm/local_cluster.sh: $NODE_GPUS placeholder GPU(s) per node, no hardware"
+        echo "AutoDetect=off"
+        if [[ $NODE_GPUS -gt 0 ]]; then
+            mkdir -p "$RUN_DIR/dev"
+            for ((i = 0; i < NODE_GPUS; i++)); do : >"$RUN_DIR/dev/gpu$i"; done
+            echo "NodeName=$nodelist Name=gpu File=$RUN_DIR/dev/gpu[0-$((NODE_GPUS - 1))]"
+        fi
+    } >"$ETC/gres.conf"
     cat >>"$CONF" <<EOF
 PartitionName=$PARTITION Nodes=$nodelist Default=YES MaxTime=INFINITE State=UP PriorityTier=1
 PartitionName=$PREEMPT_PARTITION Nodes=$nodelist Default=NO MaxTime=INFINITE State=UP PriorityTier=10
@@ -514,6 +540,7 @@ export ALIGNPIPE_SLURM_PARTITION=$PARTITION
 export ALIGNPIPE_SLURM_PREEMPT_PARTITION=$PREEMPT_PARTITION
 export ALIGNPIPE_SLURM_NODES="${NODES[*]}"
 export ALIGNPIPE_SLURM_NODE_ADDRS="${NODE_IPS[*]}"
+export ALIGNPIPE_SLURM_NODE_GPUS=$NODE_GPUS
 export ALIGNPIPE_SLURM_CONTROLLER_ADDR=$BRIDGE_IP
 EOF
     say "up: source $RUN_DIR/env.sh"

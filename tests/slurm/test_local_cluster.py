@@ -1,5 +1,6 @@
 """The local two-node Slurm cluster works the way the pipeline's tests will use it."""
 
+import os
 import subprocess
 import sys
 import time
@@ -13,8 +14,8 @@ from pipeline_helpers import wait_until
 pytestmark = pytest.mark.slurm
 
 
-def _run(*cmd: str, timeout: float = 120) -> str:
-    out = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout)
+def _run(*cmd: str, timeout: float = 120, env: dict | None = None) -> str:
+    out = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout, env=env)
     assert out.returncode == 0, f"{cmd} failed (rc={out.returncode}):\n{out.stdout}\n{out.stderr}"
     return out.stdout
 
@@ -105,6 +106,33 @@ def test_submitit_two_node_job_returns_one_result_per_task(slurm_cluster, tmp_pa
     assert {r["ip"] for r in results} == set(slurm_cluster["nodes"].values())
     for r in results:
         assert slurm_cluster["nodes"][r["host"]] == r["ip"]
+
+
+def test_nodes_declare_gpus_that_jobs_can_ask_for(slurm_cluster, tmp_path):
+    """Placeholder GPUs (local_cluster.sh): --gpus-per-node is accepted up to a node's count and allocated; the job
+    learns its count from SLURM_GPUS_ON_NODE. Slurm binds no device, so it sets no CUDA_VISIBLE_DEVICES (nor
+    SLURM_JOB_GPUS): inside a job, Ray hands out the GPU ids (`ray start --num-gpus`)."""
+    gpus = slurm_cluster["gpus_per_node"]
+    assert gpus >= 1, "the cluster was started with AP_SLURM_NODE_GPUS=0"
+    for node in slurm_cluster["nodes"]:
+        fields = dict(w.partition("=")[::2] for w in _run("scontrol", "-o", "show", "node", node).split())
+        assert fields["Gres"] == f"gpu:{gpus}" and f"gres/gpu={gpus}" in fields["CfgTRES"].split(","), fields
+    part = ["-p", slurm_cluster["partition"]]
+    _run("sbatch", "--test-only", *part, "-N2", f"--gpus-per-node={gpus}", "--wrap=true")
+    too_many = subprocess.run(["sbatch", "--test-only", *part, f"--gpus-per-node={gpus + 1}", "--wrap=true"],
+                              capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=60)
+    assert too_many.returncode != 0 and "Requested node configuration is not available" in too_many.stderr
+    # Not the caller's CUDA_VISIBLE_DEVICES: sbatch/srun export the submitting environment to the job.
+    env = {k: v for k, v in os.environ.items() if k not in ("CUDA_VISIBLE_DEVICES", "SLURM_JOB_GPUS")}
+    out = _run("srun", "-N2", "--ntasks-per-node=1", f"--gpus-per-node={gpus}", f"--chdir={tmp_path}", *part,
+               "bash", "-c", 'echo "$(hostname) $SLURM_JOB_ID ${SLURM_GPUS_ON_NODE:-unset} '
+               '${CUDA_VISIBLE_DEVICES:-unset} ${SLURM_JOB_GPUS:-unset}"', timeout=90, env=env)
+    rows = sorted(line.split() for line in out.splitlines())
+    assert [(r[0], r[2], r[3], r[4]) for r in rows] == [(n, str(gpus), "unset", "unset") for n in ("n1", "n2")], out
+    job_id = rows[0][1]
+    alloc_tres = lambda: _run("sacct", "-X", "-n", "-P", "-j", job_id, "-o", "AllocTRES").strip()
+    # slurmdbd may not have the job's record at once
+    assert wait_until(lambda: f"gres/gpu={2 * gpus}" in alloc_tres().split(","), 60), alloc_tres()
 
 
 def test_sacct_lists_the_finished_job(slurm_cluster, tmp_path):

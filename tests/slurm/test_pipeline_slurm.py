@@ -8,6 +8,8 @@ One module-scoped scenario, run the way a user would from the repository root, t
      mechanism and resume from the checkpoint; once the resumed job has written a later checkpoint, a job in
      the higher-priority partition preempts it (PreemptMode=REQUEUE): requeued by Slurm, it must resume from
      that later checkpoint; the run must then complete, every stage as its own Slurm job.
+The reward model stage asks for GPUs (the test cluster's placeholder GPUs, local_cluster.sh): --gpus-per-node goes
+through sbatch to Ray's nodes, and each DeepSpeed rank gets its own GPU from Ray (its training still runs on CPU).
 """
 import contextlib
 import copy
@@ -30,6 +32,9 @@ pytestmark = [pytest.mark.slurm, pytest.mark.e2e]
 
 SFT_EPOCHS, CHECKPOINT_EVERY = 40, 25           # 64 rows / batch 8 = 8 steps per epoch
 SFT_STEPS = 8 * SFT_EPOCHS
+# One training stage with GPUs: reward_model (one node, its 2 ranks PACKed onto that node's 2 GPUs). Not sft: on GPUs
+# Ray PACKs the ranks onto one node, and the sft job must keep its ranks on both nodes (one gloo group across them).
+GPU_STAGE, GPUS_PER_NODE = "reward_model", 2
 SUBMITTED = re.compile(r"\[alignpipe\] (?P<run>[\w/]+): job (?P<id>\d+) submitted \(.*?\), log (?P<log>\S+)")
 
 
@@ -40,7 +45,8 @@ def tiny_slurm_config(path: Path, results: Path) -> Path:
     config["sft"] |= {"epochs": SFT_EPOCHS, "checkpoint_every": CHECKPOINT_EVERY, "num_workers": 2}
     config["evaluate"]["models"] = ["base", "sft"]
     config["seeds"] = None  # each method once
-    config["launcher"] = {"mem_gb": 3, "cpus_per_node": 2, "timeout_min": 30, "stages": {"sft": {"nodes": 2}}}
+    config["launcher"] = {"mem_gb": 3, "cpus_per_node": 2, "timeout_min": 30,
+                          "stages": {"sft": {"nodes": 2}, GPU_STAGE: {"gpus_per_node": GPUS_PER_NODE}}}
     # The rest of the DAG as small as it goes (these stages only need to run, each as its own Slurm job); an
     # override that the schema no longer accepts is left out.
     for block, key, value in (("reward_model", "epochs", 1), ("dpo", "epochs", 1), ("rl", "steps", 2)):
@@ -232,6 +238,8 @@ def test_sft_ran_on_a_two_node_ray_cluster_with_work_on_both(scenario):
     assert sorted(a["rank"] for a in ranks) == [0, 1]
     assert {a["hostname"] for a in ranks} == {"n1", "n2"}, f"the two DeepSpeed ranks shared a node: {ranks}"
     assert all(nodes[a["hostname"]] == a["ip"] for a in ranks), "Ray must use the node addresses, not loopback"
+    assert all(a["gpu_ids"] == [] for a in ranks) and all(n["gpus"] == 0 for n in job["ray_nodes"]), \
+        "sft's job has no GPUs (only the GPU stage asks for them)"
     # The ranks trained together (one gloo group across the nodes) for every step.
     assert json.loads((results / "sft" / "metrics.json").read_text())["steps"] == SFT_STEPS
     from mlflow.tracking import MlflowClient
@@ -239,6 +247,34 @@ def test_sft_ran_on_a_two_node_ray_cluster_with_work_on_both(scenario):
     run = client.get_run(json.loads((results / "sft" / "stage.json").read_text())["mlflow_run_id"])
     assert {a["hostname"] for a in json.loads(run.data.tags["ray.actors"])} == {"n1", "n2"}
     assert run.data.tags["slurm.nodes"] == "n[1-2]"
+
+
+def test_gpu_stage_gets_its_gpus_from_slurm_and_each_rank_its_own_gpu_from_ray(scenario):
+    """launcher.stages.reward_model.gpus_per_node: 2 -> sbatch --gpus-per-node=2 -> `ray start --num-gpus=2` -> one GPU
+    per DeepSpeed rank, each rank's CUDA_VISIBLE_DEVICES naming the GPU Ray gave it."""
+    results = scenario["results"]
+    record = json.loads((results / GPU_STAGE / "stage.json").read_text())
+    job = record["job"]
+    assert job["resources"]["gpus_per_node"] == GPUS_PER_NODE
+    assert [n["gpus"] for n in job["ray_nodes"]] == [GPUS_PER_NODE], job["ray_nodes"]
+    assert {a["group"] for a in job["actors"]} == {"RewardWorker"}, job["actors"]
+    ranks = sorted(job["actors"], key=lambda a: a["rank"])
+    assert [a["rank"] for a in ranks] == [0, 1]
+    assert all(len(a["gpu_ids"]) == 1 for a in ranks), f"each rank gets exactly one GPU: {ranks}"
+    assert sorted(a["gpu_ids"][0] for a in ranks) == ["0", "1"], f"the ranks share a GPU: {ranks}"
+    for a in ranks:
+        assert a["cuda_visible_devices"] == a["gpu_ids"][0], a
+    # What the job asked Slurm for: submitit's sbatch script, and what Slurm allocated (sacct's AllocTRES).
+    job_id = job["slurm"]["job_id"]
+    scripts = list((results / "logs" / GPU_STAGE).glob(f"*/{job_id}_submission.sh"))
+    assert len(scripts) == 1, scripts
+    assert f"#SBATCH --gpus-per-node={GPUS_PER_NODE}" in scripts[0].read_text().splitlines()
+    [row] = sacct(job_id, "AllocTRES")
+    assert f"gres/gpu={GPUS_PER_NODE}" in row["AllocTRES"].split(","), row
+    from mlflow.tracking import MlflowClient
+    client = MlflowClient(tracking_uri=f"sqlite:///{results.parent / 'mlflow.db'}")
+    run = client.get_run(record["mlflow_run_id"])
+    assert json.loads(run.data.tags["launcher.resources"])["gpus_per_node"] == GPUS_PER_NODE
 
 
 def sft_log_attempts(scenario) -> list[str]:
