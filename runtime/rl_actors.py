@@ -176,7 +176,8 @@ class Roles:
                 gpu = 1
         # Colocated on CPU, every actor takes an equal share of the job's cores (at most ROLE_CPUS) so that all fit.
         actors = cfg.num_workers * (1 + wants_critic) + cfg.frozen_ranks * (1 + wants_reward) + cfg.vllm["num_engines"]
-        cpus = (0 if shared else min(ROLE_CPUS, int(100 * ray.cluster_resources().get("CPU", 1) / actors) / 100)) if cfg.colocate else 1
+        cpu_share = min(ROLE_CPUS, int(100 * ray.cluster_resources().get("CPU", 1) / actors) / 100)
+        cpus = 1 if not cfg.colocate else 0 if shared else cpu_share
         start = lambda cls, c: trainer.start_workers(cls, c, inputs["model"], total_train_steps, tracker,
                                                      cpus_per_actor=cpus, gpus_per_actor=gpu, shared=shared)
         self.policy = start(PolicyWorker, cfg)
