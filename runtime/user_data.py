@@ -9,6 +9,7 @@ Each role names its keys in the config (data.sft, data.preference, data.prompts,
 `check_datasets` runs in the Snakefile, before any job is queued, and names every bad row (up to 20) with its file
 and line. `load_records` is what the preprocess stage reads. Light at import: `datasets` loads only when needed.
 """
+import csv
 import hashlib
 import json
 import math
@@ -215,3 +216,30 @@ def check_datasets(data: dict, cache_file: Path) -> None:
         more = f"\n  ... and {len(problems) - MAX_REPORTED} more" if len(problems) > MAX_REPORTED else ""
         raise DataError(f"{len(problems)} bad rows or files in the experiment's datasets:\n  "
                         + "\n  ".join(shown) + more)
+
+
+def count_rows(path: Path, spec: dict) -> int | None:
+    """Rows in a local dataset file or save_to_disk directory, counted without loading it; None for a format this
+    does not know (left to the preprocess stage)."""
+    try:
+        if path.is_file() and path.suffix in (".jsonl", ".json"):  # one row a line, as check_datasets reads them
+            with path.open("rb") as fh:
+                return sum(1 for line in fh if line.strip())
+        if path.is_file() and path.suffix == ".csv":
+            with path.open(newline="", encoding="utf-8") as fh:
+                return max(0, sum(1 for row in csv.reader(fh) if row) - 1)  # less the header
+        if path.is_file() and path.suffix == ".parquet":
+            import pyarrow.parquet
+            return pyarrow.parquet.read_metadata(path).num_rows
+        if path.is_dir():  # a `datasets` save_to_disk directory: a Dataset, or a DatasetDict of splits
+            import pyarrow
+            split = path / spec["split"] if (path / "dataset_dict.json").is_file() else path
+            files = json.loads((split / "state.json").read_text())["_data_files"]
+            total = 0
+            for entry in files:
+                with pyarrow.memory_map(str(split / entry["filename"])) as source:
+                    total += sum(batch.num_rows for batch in pyarrow.ipc.open_stream(source))
+            return total
+    except Exception:  # a format the count does not know: left to the preprocess stage
+        return None
+    return None

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from launcher.config import REPO_ROOT, ConfigError, load_config_files, method_seeds, rl_variant, seeded_models
+from launcher.config import REPO_ROOT, ConfigError, load_config_files, method_seeds, rl_variant, stage_jobs
 from launcher.resources import LaunchConfigError, check_fits, gpus_needed, stage_resources
 from runtime.user_data import is_hub
 
@@ -228,32 +228,6 @@ def profile_resources() -> dict:
     return dict(profile.get("default-resources") or {})
 
 
-def stage_jobs(config: dict):
-    """(stage, run name, params) of every job, params as the rule gives them to the launcher (job["config"]:
-    workflow/rules/*.smk, stage_key)."""
-    seed, seeds = config["seed"], method_seeds(config)
-    yield "base_model", "base_model", {"model": config["model"], "seed": seed}
-    yield "preprocess", "preprocess", {"data": config["data"], "seed": seed}
-    yield "sft", "sft", {"sft": config["sft"], "seed": seed}
-    yield "reward_model", "reward_model", {"reward_model": config["reward_model"], "seed": seed}
-    for s in seeds:
-        yield "dpo", f"dpo/seed{s}", {"dpo": config["dpo"], "seed": s}
-    for name in config["rl"]["variants"]:
-        for s in seeds:
-            yield "rl", f"rl/{name}/seed{s}", {"rl": rl_variant(config, name), "variant": name, "seed": s}
-    for model, s in evaluated_runs(config):
-        yield "evaluate", f"evaluate/{model}/seed{s}", {"evaluate": config["evaluate"], "model": model, "seed": s}
-    yield "report", "report", {k: config[k] for k in ("evaluate", "model", "data")} | {
-        "variants": {name: rl_variant(config, name) for name in config["rl"]["variants"]}}
-
-
-def evaluated_runs(config: dict) -> list[tuple[str, int]]:
-    """(model, seed) of every evaluation, as workflow/rules/common.smk's evaluated_runs."""
-    seeded = seeded_models(config)
-    return [(model, s) for model in config["evaluate"]["models"]
-            for s in (method_seeds(config) if model in seeded else [config["seed"]])]
-
-
 def example_jobs() -> list:
     jobs = []
     for path in EXAMPLES:
@@ -408,7 +382,7 @@ def test_dry_run_plans_every_job(path, tmp_path):
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     seeds, variants = method_seeds(config), list(config["rl"]["variants"])
-    runs = evaluated_runs(config)
+    runs = [(p["model"], p["seed"]) for stage, _, p in stage_jobs(config) if stage == "evaluate"]
     table = proc.stdout.split("Job stats:")[1]
     planned = {m[1]: int(m[2]) for m in re.finditer(r"^(\w+)\s+(\d+)$", table, re.M) if m[1] != "total"}
     assert planned == {"base_model": 1, "preprocess": 1, "sft": 1, "reward_model": 1, "dpo": len(seeds),

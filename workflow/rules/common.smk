@@ -6,14 +6,17 @@ from pathlib import PurePosixPath
 
 sys.path.insert(0, workflow.basedir)
 from launcher.code_hash import stage_code_hash
+from launcher.checks import check_before_queueing
 from launcher.config import ConfigError, method_seeds, results_root, rl_variant, seeded_models, validate_config
-from runtime.user_data import DataError, ROLES, check_datasets, is_builtin, is_hub
+from runtime.user_data import DataError, ROLES, is_builtin, is_hub
 
 try:
     _sources = [str(f) for f in workflow.configfiles] + (["--config"] if workflow.config_settings.config else [])
-    _validated = validate_config(config, source=" + ".join(_sources) or "config")
-    # Users' data is checked here too: a bad row stops the run before any stage is queued.
-    check_datasets(_validated["data"], results_root(_validated) / _validated["experiment"] / ".checked_datasets.json")
+    _source = " + ".join(_sources) or "config"
+    _validated = validate_config(config, source=_source)
+    # Every job's resources, the users' data and the batches it must fill: a bad one stops the run here, before
+    # any stage is queued, not when its stage comes up hours later.
+    check_before_queueing(_validated, _source, workflow.resource_settings)
 except (ConfigError, DataError) as err:
     raise WorkflowError(str(err)) from None
 config.clear()

@@ -1,0 +1,136 @@
+"""The checks that run before anything is queued, at Snakefile parse time (workflow/rules/common.smk): every job's
+resource request as the launcher will check it (launcher/resources.py), the users' dataset rows
+(runtime/user_data.check_datasets), and batches that the data cannot fill.
+
+Imported by the Snakefile, so it must stay light (no torch, no ray).
+"""
+import ast
+import shutil
+import tempfile
+from pathlib import Path
+
+from launcher.config import ConfigError, results_root, stage_jobs
+from launcher.resources import FOREIGN_RESOURCES, RESOURCE_KEYS, check_stages
+from runtime.builtin_data import review_pool_sizes
+from runtime.user_data import check_datasets, count_rows, is_builtin, is_hub, repo_path
+
+# What a job reads of itself; a resource expression that names one is known only once its job exists.
+JOB_NAMES = {"input", "wildcards", "attempt", "threads", "rulename", "async_run", "output", "params", "resources"}
+
+
+def check_before_queueing(config: dict, source: str, resource_settings) -> None:
+    """Every check a validated config gets before the DAG runs; ConfigError or DataError naming the key. What
+    check_datasets remembers (its cache) is written only once every check has passed."""
+    problems = check_stages(stage_jobs(config), config["launcher"],
+                            lambda rule: profile_resources(resource_settings, rule))
+    if problems:
+        raise ConfigError(f"{source}: jobs the launcher would refuse (nothing was queued)\n"
+                          + "\n".join("  " + p for p in problems))
+    checked = results_root(config) / config["experiment"] / ".checked_datasets.json"
+    with tempfile.TemporaryDirectory() as tmp:
+        staged = Path(tmp) / checked.name
+        if checked.is_file():
+            shutil.copyfile(checked, staged)
+        check_datasets(config["data"], staged)
+        check_batches(config, source)
+        if staged.is_file() and (not checked.is_file() or staged.read_bytes() != checked.read_bytes()):
+            checked.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(staged, checked)
+
+
+def profile_resources(settings, rule: str) -> dict:
+    """The Snakemake resources that a profile's default-resources / set-resources (or the same command-line flags)
+    give `rule`, as far as they are known at parse time: plain values, and expressions that read nothing of a job
+    (a string such as "--qos=high" too). Those that read the job (input, wildcards, attempt, threads) are left to
+    the launcher's check of that job. No rule here declares resources of its own."""
+    try:  # what Snakemake (9.x) gives each rule it defines (workflow.py: the rule's resources)
+        merged = dict(settings._parsed_default_resources.items())
+        merged.update(settings._parsed_overwrite_resources.get(rule, {}).items())
+    except AttributeError:  # another Snakemake: the config's resources are checked here, the profile's per job
+        return {}
+    known = {}
+    for name, resource in merged.items():
+        if name in FOREIGN_RESOURCES:
+            known[name] = None  # refused whatever its value
+        elif name in RESOURCE_KEYS:
+            if not resource.is_evaluable():
+                known[name] = resource.value
+                continue
+            if not isinstance(resource.raw, str):
+                continue
+            try:
+                names = {n.id for n in ast.walk(ast.parse(resource.raw, mode="eval")) if isinstance(n, ast.Name)}
+            except SyntaxError:
+                names = set()  # plain text: Snakemake takes it as the string itself
+            if names & JOB_NAMES:
+                continue
+            try:
+                known[name] = resource.evaluate(wildcards=None, input=None, attempt=1, threads=1, rulename=rule,
+                                                async_run=None).value
+            except Exception:
+                continue  # its job's own check will say what is wrong with it
+    return known
+
+
+# ---- batches the data cannot fill ---------------------------------------------------------------------------
+# The preprocess stage reads at most data.<role>.max_samples rows of a dataset, drops those too long for the token
+# limits and holds out a seeded eval_fraction (stages/preprocess.py, hold_out). The counts below are what it can
+# give at best (no row dropped), computed without a tokenizer; a batch larger than that can never be filled.
+
+def _rows_read(config: dict, role: str) -> tuple[int, str]:
+    """(rows the preprocess stage reads at most for `role`, how that was counted): max_samples, or fewer where a
+    local file or a built-in dataset has fewer. A hub dataset is not looked up (nothing is downloaded here)."""
+    data, spec = config["data"], config["data"][role]
+    path, limit = spec["path"], spec["max_samples"]
+    available = None
+    if is_builtin(path) and path.split(":", 1)[1] != "arithmetic":  # builtin:arithmetic generates max_samples
+        prompt_words = data["builtin"]["prompt_words"]
+        available = review_pool_sizes(path.split(":", 1)[1], config["seed"], prompt_words).get(role)
+        what = f"{available} reviews long enough for data.builtin.prompt_words = {prompt_words}"
+    elif not is_builtin(path) and not is_hub(path):
+        available = count_rows(repo_path(path), spec)
+        what = f"{available} rows in the file"
+    if available is None or available >= limit:
+        return limit, f"data.{role}.max_samples = {limit}"
+    return available, f"{what} (data.{role}.max_samples = {limit})"
+
+
+def _train_rows(config: dict, role: str) -> tuple[int, str]:
+    """(training rows preprocess can give at most for `role`, how): rows read less the held-out ones."""
+    rows, how = _rows_read(config, role)
+    spec = config["data"][role]
+    if role == "prompts" and config["data"]["eval"]["path"]:  # the eval dataset is held out instead
+        return rows, f"data.{role} = {spec['path']!r}: {rows} rows at most, from {how}"
+    held = max(1, round(spec["eval_fraction"] * rows)) if rows else 0  # stages/preprocess.py, hold_out
+    return rows - held, (f"data.{role} = {spec['path']!r}: {rows} rows at most, from {how}, less {held} held out "
+                         f"(data.{role}.eval_fraction = {spec['eval_fraction']})")
+
+
+def check_batches(config: dict, source: str) -> None:
+    """Refuse a batch that the experiment's data cannot fill, before preprocess runs: sft.batch_size over the SFT
+    training rows, reward_model / dpo batch_size over the training pairs (runtime/trainer.steps_for), an rl
+    variant's rollout_batch_size over the training prompts (stages/rl.py). Counts are upper bounds (rows too long
+    for the token limits are dropped later), so what is refused here would fail in its job. Local files are
+    counted, built-in datasets sized; a hub dataset is bounded by its max_samples only (nothing is downloaded)."""
+    checks = []  # (key, batch, role, what the batch counts)
+    for stage, role, what in (("sft", "sft", "training rows"), ("reward_model", "preference", "training pairs"),
+                              ("dpo", "preference", "training pairs")):
+        if not config[stage].get("from"):  # a given model is not trained
+            checks.append((f"{stage}.batch_size", config[stage]["batch_size"], role, what))
+    variants = config["rl"]["variants"]
+    inheriting = [name for name in variants if "rollout_batch_size" not in variants[name]]
+    if inheriting:
+        checks.append((f"rl.rollout_batch_size (variant{'s' if len(inheriting) > 1 else ''} {', '.join(inheriting)})",
+                       config["rl"]["rollout_batch_size"], "prompts", "training prompts"))
+    checks += [(f"rl.variants.{name}.rollout_batch_size", variants[name]["rollout_batch_size"], "prompts",
+                "training prompts") for name in variants if name not in inheriting]
+    problems, counted = [], {}
+    for key, batch, role, what in checks:
+        if role not in counted:
+            counted[role] = _train_rows(config, role)
+        rows, how = counted[role]
+        if batch > rows:
+            problems.append(f"{source}: {key} = {batch} is larger than the {what} the data can give: at most "
+                            f"{max(rows, 0)} ({how}); lower {key.split(' ')[0]} or give data.{role} more rows")
+    if problems:
+        raise ConfigError("batches the data cannot fill\n" + "\n".join("  " + p for p in problems))

@@ -1,0 +1,186 @@
+"""Every check before queueing (issue #17): a bad input stops `snakemake --dry-run` at parse time, in seconds, naming
+the key and where it came from, and nothing is written under results_dir. One test per class of bad input:
+non-finite numbers, a float where an integer is meant, the launcher's resource checks of stages other than
+base_model (config and profile resources), control characters in sbatch_extra, reward files, and batches that the
+data cannot fill (rl rollout_batch_size, sft batch_size, dpo batch_size)."""
+import json
+import random
+import time
+
+import pytest
+
+from launcher.checks import check_batches
+from launcher.config import REPO_ROOT, ConfigError, load_config_files, stage_jobs, validate_config
+from runtime.builtin_data import review_pool_sizes
+from runtime.user_data import count_rows
+from launcher.resources import LaunchConfigError, check_stages, stage_resources
+from pipeline_helpers import snakemake, write_config
+
+LIMIT_S = 10
+
+
+def refused(tmp_path, *args: str, **overrides) -> str:
+    """Dry-run the tiny config with `overrides` (merged one level deep) as a user would; assert that it fails
+    within LIMIT_S seconds and writes nothing under results_dir. Returns stdout + stderr."""
+    results = tmp_path / "results"
+    configfile = write_config(tmp_path / "bad.yaml", results, **overrides)
+    start = time.monotonic()
+    proc = snakemake(configfile, "all", "--dry-run", "--config", f"results_dir={results}", *args, check=False)
+    elapsed = time.monotonic() - start
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0, output[-3000:]
+    assert elapsed < LIMIT_S, f"the refusal took {elapsed:.1f} s"
+    assert not results.exists(), f"a refused config wrote {sorted(results.rglob('*'))}"
+    assert "This was a dry-run" not in output
+    return output
+
+
+def test_non_finite_numbers_are_refused(tmp_path):
+    output = refused(tmp_path, sft={"learning_rate": float("nan")}, rl={"kl_coef": float("inf")})
+    assert "sft.learning_rate = nan is not a finite number" in output, output[-3000:]
+    assert "rl.kl_coef = inf is not a finite number" in output
+    assert "bad.yaml" in output  # the file it came from
+
+
+def test_a_float_for_an_integer_is_refused(tmp_path):
+    output = refused(tmp_path, dpo={"batch_size": 8.0})
+    assert "dpo.batch_size = 8.0 is not an integer: write it without a decimal point (8)" in output, output[-3000:]
+    assert "bad.yaml" in output
+
+
+@pytest.mark.parametrize("overrides, fragments", [
+    ({"launcher": {"stages": {"sft": {"nodes": 2}}}},
+     ["stage sft: launcher.stages.sft.nodes = 2", "local executor"]),
+    ({"launcher": {"stages": {"dpo": {"cpus_per_node": 1}}}},
+     ["stage dpo: dpo.num_workers = 2 Ray actors", "x 1 CPUs (launcher.stages.dpo.cpus_per_node) = 1"]),
+    ({"launcher": {"stages": {"evaluate": {"sbatch_extra": "--time=10"}}}},
+     ["stage evaluate: launcher.stages.evaluate.sbatch_extra: --time is set by the launcher", "timeout_min"]),
+], ids=["sft-nodes-on-local", "dpo-workers-do-not-fit", "evaluate-sbatch-extra"])
+def test_resource_errors_of_any_stage_are_refused(tmp_path, overrides, fragments):
+    output = refused(tmp_path, **overrides)
+    assert "jobs the launcher would refuse" in output and "bad.yaml" in output, output[-3000:]
+    for fragment in fragments:
+        assert fragment in output, (fragment, output[-3000:])
+
+
+def test_profile_resources_are_checked_at_parse_time(tmp_path):
+    """What --set-resources / a profile's set-resources give a rule is known before the job exists."""
+    output = refused(tmp_path, "--set-resources", "reward_model:cpus_per_node=1")
+    assert "stage reward_model: reward_model.num_workers = 2" in output, output[-3000:]
+    assert "Snakemake resource `cpus_per_node` of rule reward_model (profile)" in output
+
+
+@pytest.mark.parametrize("where, text", [
+    ({"sbatch_extra": "--qos=high\n--comment=x"}, "launcher.sbatch_extra = '--qos=high\\n--comment=x'"),
+    ({"stages": {"rl": {"sbatch_extra": "--qos=high\r"}}}, "launcher.stages.rl.sbatch_extra = '--qos=high\\r'"),
+], ids=["newline", "carriage-return"])
+def test_control_characters_in_sbatch_extra_are_refused(tmp_path, where, text):
+    output = refused(tmp_path, launcher=where)
+    assert text in output and "control character" in output, output[-3000:]
+
+
+@pytest.mark.parametrize("reward, fragment", [
+    ("reward.txt", "is not a Python file (.py)"),
+    ("a_directory.py", "is a directory, not a Python file"),
+    ("missing.py", "no such file"),
+    ("no_fn.py", "must define reward_fn(prompts, completions, labels)"),
+    ("signature.py", "reward_fn(completions) cannot be called as reward_fn(prompts, completions, labels)"),
+])
+def test_reward_files_are_imported_and_checked(tmp_path, reward, fragment):
+    files = tmp_path / "rewards"
+    files.mkdir()
+    (files / "reward.txt").write_text("def reward_fn(prompts, completions, labels): return [0.0] * len(completions)\n")
+    (files / "a_directory.py").mkdir()
+    (files / "no_fn.py").write_text("def score(prompts, completions, labels): pass\n")
+    (files / "signature.py").write_text("def reward_fn(completions): pass\n")
+    output = refused(tmp_path, rl={"reward": str(files / reward)})
+    assert "rl.variants.grpo.reward (inherited from rl.reward)" in output, output[-3000:]
+    assert fragment in output, output[-3000:]
+
+
+def test_rollout_batch_over_the_prompts_is_refused(tmp_path):
+    # tiny: 128 prompts (data.prompts.max_samples) and an eval dataset, so all 128 are training prompts
+    output = refused(tmp_path, rl={"rollout_batch_size": 160, "batch_size": 16})
+    assert "rl.rollout_batch_size (variants grpo, ppo) = 160 is larger than the training prompts" in output, \
+        output[-3000:]
+    assert "at most 128" in output and "data.prompts.max_samples = 128" in output
+
+
+def test_sft_batch_over_its_rows_is_refused(tmp_path):
+    """A local file of 12 rows: 10 train (2 held out, eval_fraction 0.2), fewer than a batch of 16. The dataset's
+    rows pass check_datasets, whose record of that is not written since the run is refused."""
+    rows = tmp_path / "sft.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": f"Say {i}.", "response": f"{i}"}) + "\n" for i in range(12)))
+    output = refused(tmp_path, sft={"batch_size": 16, "micro_batch_size": 4},
+                     data={"sft": {"path": str(rows), "max_samples": 384, "eval_fraction": 0.2}})
+    assert "sft.batch_size = 16 is larger than the training rows the data can give: at most 10" in output, \
+        output[-3000:]
+    assert "12 rows in the file" in output and "less 2 held out" in output
+
+
+def test_dpo_batch_over_the_pairs_is_refused(tmp_path):
+    # tiny: 1152 pairs less 128 held out (eval_fraction 0.1112) = 1024 training pairs
+    output = refused(tmp_path, dpo={"batch_size": 2048})
+    assert "dpo.batch_size = 2048 is larger than the training pairs the data can give: at most 1024" in output, \
+        output[-3000:]
+
+
+# ---- the same checks without Snakemake --------------------------------------------------------------------
+
+SHIPPED = [[REPO_ROOT / "config" / name] for name in ("default.yaml", "tiny.yaml", "arithmetic.yaml")] + \
+    [[REPO_ROOT / "config" / "default.yaml", path] for path in sorted((REPO_ROOT / "config" / "examples").glob("*.yaml"))]
+
+
+@pytest.mark.parametrize("paths", SHIPPED, ids=lambda paths: paths[-1].stem)
+def test_shipped_configs_pass_every_check(paths):
+    config = load_config_files(paths)
+    assert check_stages(stage_jobs(config), config["launcher"]) == []
+    check_batches(config, "shipped")
+
+
+def test_profile_integers_are_whole_and_finite():
+    launcher = validate_config({})["launcher"]
+    assert stage_resources("sft", launcher, {"nodes": " 1 "})[0]["nodes"] == 1
+    for value in (2.0, "2.0", float("inf"), float("nan"), "1e3", True):
+        with pytest.raises(LaunchConfigError, match=r"timeout_min.* whole number >= 1"):
+            stage_resources("sft", launcher, {"timeout_min": value})
+    with pytest.raises(LaunchConfigError, match=r"partition.*control character.*\\x00"):
+        stage_resources("sft", launcher, {"partition": "gpu\x00"})
+
+
+def test_integer_keys_anywhere_refuse_floats_and_numbers_keep_ints():
+    with pytest.raises(ConfigError, match=r"launcher.stages.sft.nodes = 2.0 is not an integer"):
+        validate_config({"launcher": {"stages": {"sft": {"nodes": 2.0}}}})
+    with pytest.raises(ConfigError, match=r"seeds.1 = 1.5 is not an integer"):
+        validate_config({"seeds": [0, 1.5]})
+    validate_config({"sft": {"learning_rate": 1}, "launcher": {"mem_gb": 8}})  # an int is a number
+
+
+def test_review_pool_sizes_follow_the_builtin_data():
+    """The row counts of a built-in movie-review dataset, computed without building its rows, match
+    runtime/builtin_data's rows: same seeded split, same length filter."""
+    from runtime.builtin_data import load_reviews, split_review
+    for seed, prompt_words in ((0, 4), (3, 30)):
+        reviews = load_reviews("rotten_tomatoes")
+        random.Random(seed).shuffle(reviews)
+        held_out, train = reviews[:len(reviews) // 5], reviews[len(reviews) // 5:]
+        pools = {"sft": [r for r in train if r["label"] == 1], "prompts": train[:len(train) // 2],
+                 "preference": train[len(train) // 2:], "eval": held_out}
+        expected = {role: sum(1 for r in pool if split_review(r, prompt_words)) for role, pool in pools.items()}
+        assert review_pool_sizes("rotten_tomatoes", seed, prompt_words) == expected
+
+
+def test_local_row_counts(tmp_path):
+    (tmp_path / "a.jsonl").write_text('{"x": 1}\n\n{"x": 2}\n{"x": 3}\n')
+    (tmp_path / "b.csv").write_text('prompt,response\n"multi\nline",b\nc,d\n')
+    spec = {"split": "train"}
+    assert count_rows(tmp_path / "a.jsonl", spec) == 3
+    assert count_rows(tmp_path / "b.csv", spec) == 2
+    import datasets
+    table = datasets.Dataset.from_list([{"prompt": str(i)} for i in range(7)])
+    table.to_parquet(str(tmp_path / "c.parquet"))
+    table.save_to_disk(str(tmp_path / "d"))
+    datasets.DatasetDict({"train": table, "test": table.select(range(2))}).save_to_disk(str(tmp_path / "e"))
+    assert count_rows(tmp_path / "c.parquet", spec) == 7
+    assert count_rows(tmp_path / "d", spec) == 7
+    assert count_rows(tmp_path / "e", spec) == 7 and count_rows(tmp_path / "e", {"split": "test"}) == 2
