@@ -13,6 +13,7 @@ import yaml
 
 from runtime.models import LINEAR_LAYERS
 from runtime.rewards import RewardFileError, load_reward_fn
+from runtime.tracking import TrackingURIError, check_tracking_uri
 from runtime.user_data import is_hub, repo_path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -100,6 +101,10 @@ def validate_config(raw: dict | None, source: str = "config") -> dict:
 
 def check_consistency(config: dict, source: str) -> None:
     """Rules that span several keys, or look at the files the config names, which JSON schema cannot express."""
+    try:  # a password in tracking.uri would be on every rule's command line and in the job pickles
+        check_tracking_uri(config["tracking"]["uri"], f"{source}: tracking.uri")
+    except TrackingURIError as err:
+        raise ConfigError(str(err)) from None
     architecture = check_models(config, source)
     trainers = {stage: config[stage] for stage in ("sft", "reward_model", "dpo")}
     trainers |= {f"rl.variants.{name}": rl_variant(config, name) for name in config["rl"]["variants"]}

@@ -11,6 +11,21 @@ its own resumable state in its checkpoint directory (launcher.checkpoint_dir or 
 stage's config), so the requeued job resumes from its last checkpoint; that directory is deleted once the stage
 succeeds.
 
+No orphans, no double runs. While it waits, the launcher watches the Snakemake that started it: if Snakemake is
+stopped (Ctrl-C, SIGTERM, SIGHUP) or dies (kill -9: the launcher is orphaned), it cancels its job (Slurm: scancel;
+local: the job's whole process tree) and removes `<output>.partial` rather than leave the job publishing an output
+behind Snakemake's back. An output being produced is locked: `<output>.lock` (next to the output, like `.partial`;
+Snakemake neither knows it nor touches it, `--unlock` included) names the job id, its host and the launcher's pid.
+A second launch on the same output is refused while that job or its launcher lives (it waits a moment for one that
+is being cancelled), and proceeds once it is gone: a lock whose holder is gone is taken over. The launcher removes
+its lock when it ends.
+
+Files: the launcher runs with umask ALIGNPIPE_UMASK (octal) or, unset, the stricter of the caller's and 027, and
+its jobs inherit it (sbatch passes it to Slurm jobs as SLURM_UMASK): results, checkpoints, logs and job pickles are
+readable by the owner's group at most. It refuses to submit (and to load a job's result pickle) where the job's
+folder or a directory above it up to the results directory is writable by other users; runtime/checkpoints.py
+refuses such checkpoint directories.
+
 Nothing here shapes a stage's result, so none of it is part of a stage's code hash (launcher/code_hash.py).
 """
 import argparse
@@ -20,7 +35,6 @@ import json
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -31,17 +45,26 @@ from submitit.core.utils import JobPaths
 
 from launcher.config import REPO_ROOT, config_hash, results_root
 from launcher.resources import LaunchConfigError, check_fits, check_slurm, describe, stage_resources
+from launcher.supervise import ACTIVE_STATES, OutputLock, StageFailed, Orphaned, supervise, Watch
+from runtime.checkpoints import UnsafeDirectory, refuse_world_writable
 from runtime.job import StageJob
 
 FINAL_WAIT_S = 60          # how long a finished job's output may take to appear (network file systems)
 STATE_POLL_S = 10          # how often the Slurm state is checked while a job runs
-
-
-class StageFailed(RuntimeError):
-    pass
+UMASK_ENV = "ALIGNPIPE_UMASK"
+DEFAULT_UMASK = 0o027      # results, checkpoints and pickles: readable by the owner's group at most
 
 
 def tracking_uri(config: dict) -> str:
+    """MLFLOW_TRACKING_URI, else tracking.uri, else sqlite under the results. Refuses a URI with credentials in
+    it (tracking.uri is on every rule's command line; either would be in the job pickle): MLflow takes them from
+    MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD or MLFLOW_TRACKING_TOKEN, which the jobs inherit."""
+    from runtime.tracking import TrackingURIError, check_tracking_uri
+    try:
+        check_tracking_uri(config["tracking"]["uri"], "tracking.uri")
+        check_tracking_uri(os.environ.get("MLFLOW_TRACKING_URI"), "MLFLOW_TRACKING_URI")
+    except TrackingURIError as err:
+        raise StageFailed(str(err)) from None
     return (os.environ.get("MLFLOW_TRACKING_URI") or config["tracking"]["uri"]
             or f"sqlite:///{results_root(config) / 'mlflow.db'}")
 
@@ -82,6 +105,7 @@ def launch_stage(job: dict, job_io: dict, output: str) -> None:
     the Snakemake resources of the job ("resources": what a profile set) and how to submit and track it
     ("context": experiment, results_dir, launcher, tracking)."""
     stage, run_name, context = job["stage"], job["run_name"], job_io["context"]
+    watch = Watch()  # now: who started this launcher (later, a dead Snakemake's orphan would not know)
     try:
         resources, sources = stage_resources(stage, context["launcher"], job_io.get("resources"))
         check_fits(stage, job["config"], resources, sources)
@@ -95,69 +119,69 @@ def launch_stage(job: dict, job_io: dict, output: str) -> None:
     partial = output_path.with_name(output_path.name + ".partial")
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S-%f")
     log_dir = results_root(context) / context["experiment"] / "logs" / run_name.replace("/", "-") / stamp
+    pickles = "the job's pickles"
+    try:  # the job loads its pickle from there, and this launcher the job's result
+        refuse_world_writable(log_dir, len(log_dir.relative_to(results_root(context)).parts), pickles)
+    except UnsafeDirectory as err:
+        raise StageFailed(f"stage {run_name} was not submitted: {err}") from None
     job_spec = StageJob(stage=stage, run_name=run_name, params=job["config"], inputs=inputs,
                         output=str(output_path), experiment=context["experiment"],
                         tracking_uri=tracking_uri(context), resources=resources,
                         checkpoint_dir=str(checkpoint_dir(context, run_name, job["config"])))
-    try:
-        submitted = make_executor(stage, log_dir, resources).submit(job_spec)
-    except Exception as err:  # e.g. sbatch refusing what --test-only accepted a moment ago
-        raise StageFailed(f"stage {run_name} could not be submitted ({describe(resources)}): {err}") from None
-    logs = [JobPaths(log_dir, job_id=submitted.job_id, task_id=task).stdout for task in range(resources["nodes"])]
-    where = f"slurm: {describe(resources)}" if resources["cluster"] == "slurm" else "local: this machine"
-    print(f"[alignpipe] {run_name}: job {submitted.job_id} submitted ({where}), log {logs[0]}"
-          + (f" (other tasks: {logs[1].name.replace('_1_', '_<task>_')})" if len(logs) > 1 else ""), flush=True)
-    with _cancel_on_interrupt(submitted, run_name):
-        state = follow_log(submitted, logs[0], run_name, slurm=resources["cluster"] == "slurm")
-        if resources["cluster"] == "slurm":
-            with contextlib.suppress(Exception):
-                submitted.get_info(mode="force")  # let submitit see the final state now, not at its next poll
+    with OutputLock(output_path, run_name) as lock:  # refuses while another job produces this output
+        if watch.orphaned():
+            raise StageFailed(f"stage {run_name} was not submitted: the Snakemake that started this launcher is gone")
         try:
-            submitted.task(0).result()  # task 0 ran the driver; the other tasks only held Ray nodes
-        except Exception as err:  # the job's own exception, or submitit's report of a job that never finished
-            shutil.rmtree(partial, ignore_errors=True)  # the job is over: nothing may look half done
-            raise StageFailed(failure_report(run_name, submitted, logs, resources, state, err)) from None
-    deadline = time.time() + FINAL_WAIT_S
-    while not output_path.exists() and time.time() < deadline:
-        time.sleep(1)
-    if not output_path.exists():
-        raise StageFailed(f"stage {run_name}: job {submitted.job_id} finished but wrote no {output_path} "
-                          f"(log {logs[0]})")
+            submitted = make_executor(stage, log_dir, resources).submit(job_spec)
+        except Exception as err:  # e.g. sbatch refusing what --test-only accepted a moment ago
+            raise StageFailed(f"stage {run_name} could not be submitted ({describe(resources)}): {err}") from None
+        lock.holds(submitted.job_id, resources["cluster"], log_dir)
+        logs = [JobPaths(log_dir, job_id=submitted.job_id, task_id=task).stdout for task in range(resources["nodes"])]
+        where = f"slurm: {describe(resources)}" if resources["cluster"] == "slurm" else "local: this machine"
+        with supervise(submitted, run_name, resources["cluster"], partial, Path(job_spec.checkpoint_dir), lock,
+                        watch):
+            print(f"[alignpipe] {run_name}: job {submitted.job_id} submitted ({where}), log {logs[0]}"
+                  + (f" (other tasks: {logs[1].name.replace('_1_', '_<task>_')})" if len(logs) > 1 else ""),
+                  flush=True)
+            state = follow_log(submitted, logs[0], run_name, slurm=resources["cluster"] == "slurm",
+                               watch=watch.orphaned)
+            watch.over = lock.job_over = True
+            if resources["cluster"] == "slurm":
+                with contextlib.suppress(Exception):
+                    submitted.get_info(mode="force")  # let submitit see the final state now, not at its next poll
+            try:
+                refuse_world_writable(log_dir, 0, pickles)
+                submitted.task(0).result()  # task 0 ran the driver; the other tasks only held Ray nodes
+            except UnsafeDirectory as err:
+                raise StageFailed(f"stage {run_name}: job {submitted.job_id} ended; its result was not read: "
+                                  f"{err}") from None
+            except Exception as err:  # the job's own exception, or submitit's report of a job that never finished
+                shutil.rmtree(partial, ignore_errors=True)  # the job is over: nothing may look half done
+                raise StageFailed(failure_report(run_name, submitted, logs, resources, state, err)) from None
+        deadline = time.time() + FINAL_WAIT_S
+        while not output_path.exists() and time.time() < deadline:
+            time.sleep(1)
+        if not output_path.exists():
+            raise StageFailed(f"stage {run_name}: job {submitted.job_id} finished but wrote no {output_path} "
+                              f"(log {logs[0]})")
     print(f"[alignpipe] {run_name}: done -> {output_path}", flush=True)
 
 
-@contextlib.contextmanager
-def _cancel_on_interrupt(submitted, run_name: str):
-    """If Snakemake is stopped (Ctrl-C, SIGTERM) while we wait, cancel the job instead of orphaning it."""
-    def cancel(signum, frame):
-        print(f"[alignpipe] {run_name}: interrupted; cancelling job {submitted.job_id}", file=sys.stderr, flush=True)
-        with contextlib.suppress(Exception):
-            submitted.cancel(check=False)
-        raise SystemExit(128 + signum)
-
-    previous = {sig: signal.signal(sig, cancel) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-
-
-# Slurm states of a job that is not over yet (submitit's list, plus the rarer transitional ones).
-ACTIVE_STATES = {"READY", "PENDING", "RUNNING", "UNKNOWN", "REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "COMPLETING",
-                 "CONFIGURING", "PREEMPTED", "RESIZING", "SIGNALING", "STAGE_OUT", "STOPPED", "SUSPENDED"}
-
-
-def follow_log(job, log_path: Path, run_name: str = "", slurm: bool = False, poll_s: float = 1.0) -> str:
+def follow_log(job, log_path: Path, run_name: str = "", slurm: bool = False, poll_s: float = 1.0,
+               watch=None) -> str:
     """Echo the job's log (task 0; stdout and stderr merged) to this terminal until the job is over, with its
     Slurm state changes (pending, running, requeued). Returns the last Slurm state seen ('' elsewhere).
 
     A requeued job keeps its id and appends to the same log, so the echo simply continues. On Slurm the job is
     over when task 0 has stored a successful result, or when Slurm says the job has ended: a result file alone
-    does not end it, since a task of an interrupted attempt may have left one before the job was requeued."""
+    does not end it, since a task of an interrupted attempt may have left one before the job was requeued.
+    `watch`, if given, is called at every poll; it returning true (the launcher is orphaned) ends the wait with
+    Orphaned."""
     position, state, last_poll, unknown_since, ran = 0, "", 0.0, None, False
     result_pickle = job.task(0).paths.result_pickle
     while True:
+        if watch is not None and watch():
+            raise Orphaned()
         outcome = _outcome(result_pickle) if slurm else None
         if slurm and (time.time() - last_poll > (2 if outcome else STATE_POLL_S)):
             last_poll = time.time()
@@ -283,10 +307,36 @@ class _Tee:
     def write(self, text: str) -> int:
         self.log.write(text)
         self.log.flush()
-        return self.stream.write(text)
+        with contextlib.suppress(OSError, ValueError):  # the terminal of a killed Snakemake: the log still gets it
+            self.stream.write(text)
+        return len(text)
 
     def flush(self) -> None:
-        self.stream.flush()
+        with contextlib.suppress(OSError, ValueError):
+            self.stream.flush()
+
+
+def apply_umask() -> int:
+    """Set the launcher's umask, which its jobs inherit: the octal ALIGNPIPE_UMASK if set (e.g. 022 to share
+    results with everyone), else the stricter of the caller's umask and 027: results, checkpoints, logs and job
+    pickles are then readable by the owner's group at most. Returns it. Slurm jobs get it as SLURM_UMASK, which
+    sbatch sets from the umask unless SLURM_UMASK is already set (Snakemake run inside an allocation): so it is
+    set here."""
+    current = os.umask(0o077)
+    os.umask(current)
+    value = os.environ.get(UMASK_ENV, "").strip()
+    if value:
+        try:
+            mask = int(value, 8)
+        except ValueError:
+            mask = -1
+        if not 0 <= mask <= 0o777:
+            raise ValueError(f"{UMASK_ENV}={value!r} is not a umask: give an octal number such as 027")
+    else:
+        mask = current | DEFAULT_UMASK
+    os.umask(mask)
+    os.environ["SLURM_UMASK"] = f"{mask:04o}"
+    return mask
 
 
 def main(argv=None) -> int:
@@ -298,6 +348,11 @@ def main(argv=None) -> int:
     parser.add_argument("--log", help="the rule's log file: what this prints, the job's log included, goes there too "
                                       "(Snakemake's --show-failed-logs shows it)")
     args = parser.parse_args(argv)
+    try:
+        apply_umask()
+    except ValueError as err:
+        print(f"[alignpipe] ERROR {err}", file=sys.stderr, flush=True)
+        return 2
     with contextlib.ExitStack() as stack:
         if args.log:
             Path(args.log).parent.mkdir(parents=True, exist_ok=True)

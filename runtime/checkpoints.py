@@ -3,11 +3,15 @@ stage's config, removed once the stage succeeded).
 
 Layout: <dir>/step<N>/<group>/ holds each actor group's ranks (`save_checkpoint(dir, tag)`, DeepSpeed's format),
 <dir>/step<N>/state.json the driver's own state, and <dir>/latest.json names the latest complete checkpoint.
+
+A checkpoint is code and data that the stage loads (pickled optimizer state included): one in a directory that other
+users may write to (its directory, or the run's or the checkpoint root above it) is refused, never loaded.
 """
 import contextlib
 import json
 import os
 import shutil
+import stat
 from pathlib import Path
 
 LATEST = "latest.json"
@@ -27,10 +31,32 @@ def save(ckpt_dir: Path, step: int, groups: dict, state: dict, keep: int) -> Non
     print(f"[checkpoint] step {step} -> {ckpt_dir / tag}", flush=True)
 
 
+class UnsafeDirectory(RuntimeError):
+    """A directory that other users may write to, where something is about to be loaded from."""
+
+
+def refuse_world_writable(path: Path, parents: int, what: str) -> None:
+    """Raise UnsafeDirectory if `path`, or one of its `parents` nearest parent directories, is writable by other
+    users: anyone could then replace what is loaded from it (`what`, for the message). A parent with the sticky
+    bit (like /tmp) only lets others add entries, not replace ours, so it passes; `path` itself never does."""
+    for level, directory in enumerate([Path(path), *list(Path(path).parents)[:parents]]):
+        try:
+            mode = directory.stat().st_mode
+        except OSError:
+            continue  # not there (yet): nothing to load from it
+        if mode & stat.S_IWOTH and not (level and mode & stat.S_ISVTX):
+            raise UnsafeDirectory(
+                f"refusing to load {what} from {path}: {directory} is writable by other users "
+                f"(mode {stat.filemode(mode)}), so anyone could have replaced what is loaded from it. "
+                f"Check its contents, run `chmod o-w {directory}`, and run again")
+
+
 def latest(ckpt_dir: Path | None) -> dict | None:
-    """{"step", "tag"} of the latest complete checkpoint in ckpt_dir, or None."""
+    """{"step", "tag"} of the latest complete checkpoint in ckpt_dir, or None. Refuses (UnsafeDirectory) a
+    checkpoint directory that other users may write to, or whose run or checkpoint root directory they may."""
     if ckpt_dir is None or not (ckpt_dir / LATEST).exists():
         return None
+    refuse_world_writable(ckpt_dir, 2, "a checkpoint")
     return json.loads((ckpt_dir / LATEST).read_text())
 
 

@@ -7,7 +7,6 @@ so a failed or killed job leaves nothing Snakemake takes as done. Its resumable 
 
 This module is part of every stage's code hash (launcher/code_hash.py): what it does shapes every output.
 """
-import contextlib
 import dataclasses
 import importlib
 import json
@@ -26,6 +25,8 @@ JOB_ENV = {
     "HF_HUB_OFFLINE": "1",
     "TRANSFORMERS_OFFLINE": "1",
     "TOKENIZERS_PARALLELISM": "false",
+    # For a process-local ray.init (the benches). A job's own Ray cluster overrides it: token auth with a fresh
+    # secret per job, in the environment of `ray start` and the driver only (runtime/ray_cluster.py).
     "RAY_AUTH_MODE": "disabled",
     "RAY_USAGE_STATS_ENABLED": "0",
     "RAY_enable_metrics_collection": "0",
@@ -129,6 +130,4 @@ def _tag_run(tracker, job: dict) -> None:
         tags["ray.actors"] = json.dumps([{k: p[k] for k in ("group", "rank", "hostname", "ip")} for p in job["actors"]])
     if "slurm" in job:
         tags["slurm.restarts"] = str(job["slurm"]["restarts"])
-    for key, value in tags.items():
-        with contextlib.suppress(Exception):  # tags are a record; never fail a finished stage over one
-            tracker.client.set_tag(tracker.run_id, key, value[:5000])
+    tracker.set_tags({key: value[:5000] for key, value in tags.items()})  # retried, else buffered: never fatal

@@ -2,16 +2,29 @@
 
 Task 0 starts the head, every other task starts a worker that joins it, and task 0 runs the stage's driver
 once all nodes have joined. Each `ray start` runs blocking, with explicit ports, a private temp dir and the
-dashboard off, and is stopped by its process group: never `ray stop`, which would kill every Ray process of
-the user on the machine (other jobs' and other nodes' too).
+dashboard off, in a session of its own, and is stopped by the process ids of that session: never `ray stop`, which
+would kill every Ray process of the user on the machine (other jobs' and other nodes' too).
 
 Addresses: on Slurm every node uses its own network address (the one that routes to the other nodes), never
 127.0.0.1; on the local executor everything stays on 127.0.0.1.
+
+Locked down (issue #17):
+- Token authentication with a fresh secret per job attempt (`RAY_AUTH_MODE=token`, the secret in `RAY_AUTH_TOKEN`):
+  it reaches `ray start` and the driver through their environment only, never a command line or a log. A client
+  without it is refused (InvalidAuthToken). How the tasks of a multi-node job share it: see `job_token`.
+- Addresses: a node advertises and binds what it can to its own address; a one-node local job keeps Ray on
+  127.0.0.1 (`RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`: without it Ray swaps 127.0.0.1 for the host's network address).
+  Ray 2.60's own gRPC servers (GCS, raylet, core workers) listen on all interfaces whatever the node address is
+  (not configurable): the token is what guards them. The dashboard is off; no fixed metrics-agent or
+  metrics-export port is given, so Ray's minimal install reports "metrics agent not available" (an I line)
+  instead of retrying a port nobody serves and logging E lines.
+- Every Ray process of a task ends with the task's process, also when that is SIGKILLed: see `WATCHDOG`.
 """
 import contextlib
 import dataclasses
 import ipaddress
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -22,14 +35,54 @@ import time
 import zlib
 from pathlib import Path
 
-# Offsets from the base port: one fixed port per Ray service, so nodes on a shared host never collide.
+# Offsets from the base port: one fixed port per Ray service, so nodes on a shared host never collide. The metrics
+# agent's gRPC port (--dashboard-agent-grpc-port) and --metrics-export-port are left to Ray (0): with the minimal Ray
+# these environments install no agent serves metrics, and a fixed port makes the GCS, raylet and every worker retry
+# it and log "Failed to establish connection to the metrics exporter agent" at level E.
 PORTS = {"port": 0, "node-manager-port": 1, "object-manager-port": 2, "ray-client-server-port": 3,
-         "dashboard-agent-listen-port": 4, "dashboard-agent-grpc-port": 5, "runtime-env-agent-port": 6,
-         "metrics-export-port": 7}
+         "dashboard-agent-listen-port": 4, "runtime-env-agent-port": 6}
+AUTOSCALER_METRICS_PORT = 7  # the head's autoscaler serves metrics on 44217 unless told: on every job's head alike
 WORKER_PORTS = (10, 99)
 JOIN_TIMEOUT_S = 300      # how long the head waits for every node, and a worker for the head
 WORKER_ATTEMPTS = 3       # `ray start --address` tries per worker
 HEAD_MISSES = 3           # a worker leaves after this many failed checks (2 s apart) of the head's port
+LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": Ray keeps 127.0.0.1 instead of the host's address
+
+# Runs beside each `ray start --block` (python -c WATCHDOG <task pid> <ray start pid> <private dir> [<token dir>]),
+# in a session of its own, deaf to the signals Slurm or a user send a job. When the task's process is gone (its
+# parent changes, whatever killed it: SIGKILL leaves the task no chance to clean up), it SIGKILLs every process of
+# `ray start`'s session (`ray start` leads it: GCS, raylet, agents and the workers, which have process groups of
+# their own) and any process whose command line names the node's private dir, then removes the directories. A task
+# that stops its node normally kills the watchdog once the node is down. Ray's own fate sharing is not enough:
+# `ray start` dying kills its direct children, but the workers and agents that the raylet started outlive it. (A
+# parent-death signal on `ray start` would reach `ray start` alone, and needs a preexec_fn, unsafe in a process
+# with threads.)
+WATCHDOG = """
+import os, shutil, signal, sys, time
+task, session, mark = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
+    signal.signal(sig, signal.SIG_IGN)
+while os.getppid() == task:
+    time.sleep(0.2)
+for attempt in range(20):
+    found = 0
+    for pid in [int(p) for p in os.listdir("/proc") if p.isdigit() and int(p) != os.getpid()]:
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as fh:
+                state, _, _, sid = fh.read().rsplit(b")", 1)[1].split()[:4]
+            with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                named = mark.encode() in fh.read()
+            if state != b"Z" and (int(sid) == session or named):
+                os.kill(pid, signal.SIGKILL)
+                found += 1
+        except (OSError, ValueError):
+            pass
+    if not found:
+        break
+    time.sleep(0.2)
+for path in sys.argv[3:]:
+    shutil.rmtree(path, ignore_errors=True)
+"""
 
 
 @dataclasses.dataclass
@@ -111,32 +164,129 @@ def ray_start_command(head_address: str | None, ip: str, port: int, res: dict, t
     return cmd
 
 
+def job_token(job_env, rank: int, num_nodes: int, restart: int) -> tuple[str, Path | None]:
+    """The Ray token of this job attempt: (token, the directory task 0 shared it in or None).
+
+    A one-node job keeps it in memory. In a multi-node job task 0 makes a fresh one and writes it, mode 0600 in a
+    0700 directory, into the job's submitit folder (on the shared filesystem, where submitit itself exchanges the
+    job's pickles); the other tasks, running as the same user, read it there. Not in the job's pickle (submitit
+    writes it world-readable, and it would be one secret for every attempt), not on a command line, not in an
+    environment variable of the submitting host. Task 0 removes the directory when its node stops.
+    """
+    if num_nodes == 1:
+        return secrets.token_hex(32), None
+    folder = Path(job_env.paths.folder) / f".ray-auth-{job_env.job_id}-{restart}"
+    path = folder / "token"
+    if rank == 0:
+        folder.mkdir(mode=0o700, exist_ok=True)
+        os.chmod(folder, 0o700)
+        token = secrets.token_hex(32)
+        tmp = folder / f"token.{os.getpid()}"
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as fh:
+            fh.write(token)
+        os.replace(tmp, path)  # whole or not at all for the readers
+        return token, folder
+    deadline = time.time() + JOIN_TIMEOUT_S
+    while not path.exists():
+        if time.time() > deadline:
+            raise RuntimeError(f"task 0 did not share the job's Ray token within {JOIN_TIMEOUT_S} s ({path})")
+        time.sleep(1)
+    st = path.stat()
+    if st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise RuntimeError(f"{path} must belong to this user and be readable by it alone (mode "
+                           f"{oct(st.st_mode & 0o777)}); not using it")
+    return path.read_text().strip(), None
+
+
+def ray_env(token: str, loopback: bool, port: int) -> dict:
+    """What `ray start` and the driver need in their environment: token auth with this job's token, the job's own
+    port for the autoscaler's metrics and, for a one-node local job, Ray kept on 127.0.0.1."""
+    env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token,
+           "AUTOSCALER_METRIC_PORT": str(port + AUTOSCALER_METRICS_PORT)}
+    if loopback:
+        env[LOOPBACK_ENV] = "0"
+    return env
+
+
+@contextlib.contextmanager
+def _driver_env(env: dict):
+    """The driver (this process, its Ray workers get theirs from the raylet) runs with `env`; restored after."""
+    import ray._private.ray_constants as ray_constants
+    from ray._raylet import AuthenticationTokenLoader, Config
+    saved = {key: os.environ.get(key) for key in env}
+    saved_cluster = ray_constants.ENABLE_RAY_CLUSTER
+    os.environ.update(env)
+    # Read at import: a stage module may have imported Ray already.
+    ray_constants.ENABLE_RAY_CLUSTER = env.get(LOOPBACK_ENV) != "0"
+    Config.initialize("")  # re-read RAY_AUTH_MODE (as Ray's own _enable_token_auth does)
+    AuthenticationTokenLoader.instance().reset_cache()
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        ray_constants.ENABLE_RAY_CLUSTER = saved_cluster
+        with contextlib.suppress(Exception):
+            AuthenticationTokenLoader.instance().reset_cache()
+
+
 @contextlib.contextmanager
 def ray_cluster(job_env, res: dict):
     """Start this task's Ray node; yield a RayNodeInfo whose `is_driver` is True on task 0, once every node joined.
 
-    `job_env` is a submitit.JobEnvironment; `res` the stage's resolved launcher resources (cluster,
-    cpus_per_node, gpus_per_node, mem_gb, ray_port). Workers block inside the context until the head goes away.
+    `job_env` is a submitit.JobEnvironment (job_id, global_rank, num_nodes, hostnames, and paths.folder for a
+    multi-node job); `res` the stage's resolved launcher resources (cluster, cpus_per_node, gpus_per_node, mem_gb,
+    ray_port). Workers block inside the context until the head goes away.
     """
-    import ray
     rank, num_nodes = job_env.global_rank, job_env.num_nodes
     restart = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
     port = base_port(job_env.job_id, res["ray_port"], restart)
     head_ip, my_ip = node_addresses(rank, list(job_env.hostnames), res["cluster"])
     head_address = f"{head_ip}:{port}"
-    # Ray's unix sockets need a short path; /tmp keeps it under the 107-character limit.
-    temp_dir = Path(tempfile.mkdtemp(prefix=f"ray-{job_env.job_id}-{restart}-{rank}-", dir="/tmp"))
-    log_path = temp_dir / "ray-start.log"
+    # Ray's unix sockets need a short path; /tmp keeps it under the 107-character limit. Ray makes its temp dir
+    # world-writable (0777), the raylet's and object store's sockets in it, so Ray's temp dir is the subdirectory
+    # "r" of a private dir (0700, from mkdtemp) that no other user can enter; the private dir holds ray-start.log.
+    private_dir = Path(tempfile.mkdtemp(prefix=f"ray-{job_env.job_id}-{restart}-{rank}-", dir="/tmp"))
     info = RayNodeInfo(is_driver=rank == 0, rank=rank, num_nodes=num_nodes, ip=my_ip, head_address=head_address)
     print(f"[ray] task {rank}/{num_nodes} on {socket.gethostname()} ({my_ip}): starting "
           f"{'head at ' + head_address if rank == 0 else 'worker -> ' + head_address}", flush=True)
+    token_dir = None
+    try:
+        token, token_dir = job_token(job_env, rank, num_nodes, restart)
+        env = ray_env(token, loopback=_is_loopback(my_ip) and num_nodes == 1, port=port)
+        with _driver_env(env) if rank == 0 else contextlib.nullcontext():
+            yield from _run_node(info, head_ip, head_address, port, res, private_dir, env, token_dir)
+    finally:
+        shutil.rmtree(private_dir, ignore_errors=True)
+        if token_dir is not None:
+            shutil.rmtree(token_dir, ignore_errors=True)
+
+
+def _run_node(info: RayNodeInfo, head_ip: str, head_address: str, port: int, res: dict, private_dir: Path,
+              env: dict, token_dir: Path | None):
+    """The body of `ray_cluster`: start this task's node (with its watchdog), join, yield, stop."""
+    import ray
+    rank, num_nodes, my_ip = info.rank, info.num_nodes, info.ip
+    log_path = private_dir / "ray-start.log"
     proc = None
     log = open(log_path, "w")
-    cmd = ray_start_command(None if rank == 0 else head_address, my_ip, port, res, temp_dir)
+    cmd = ray_start_command(None if rank == 0 else head_address, my_ip, port, res, private_dir / "r")
 
     def start():
-        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True, env=os.environ | {"RAY_AUTH_MODE": "disabled"})
+        # The token travels in the environment (readable by this user alone), never on the command line.
+        child = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                 start_new_session=True, env=os.environ | env)
+        child.watchdog = subprocess.Popen(
+            [sys.executable, "-c", WATCHDOG, str(os.getpid()), str(child.pid), str(private_dir)] +
+            ([str(token_dir)] if token_dir else []),
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+            env={"PATH": os.environ.get("PATH", "")})
+        return child
 
     try:
         if rank != 0:
@@ -169,7 +319,6 @@ def ray_cluster(job_env, res: dict):
         if proc is not None:
             _stop(proc)
         log.close()
-        shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 def _log_tail(path: Path, chars: int = 3000) -> str:
@@ -260,17 +409,41 @@ def _head_alive(host: str, port: int) -> bool:
     return False
 
 
+def session_processes(session: int) -> list[int]:
+    """The live processes of a session (`ray start` leads its own: its node's GCS, raylet, agents and workers)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, ValueError):
+                state, _, _, sid = (entry / "stat").read_bytes().rsplit(b")", 1)[1].split()[:4]
+                if int(sid) == session and state != b"Z":
+                    found.append(int(entry.name))
+    return found
+
+
 def _stop(proc: subprocess.Popen) -> None:
-    """Stop one `ray start --block` and everything it started, by its process group (its own session)."""
+    """Stop one `ray start --block` and everything it started (its session), then the watchdog beside it."""
     # SIGTERM to `ray start` alone: it drains the node and stops its raylet, GCS, ... in ~2 s. Sent to the whole
     # group, the children die first and `ray start` then hangs (>30 s) draining a node that is gone.
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(proc.pid, signal.SIGTERM)
+    if proc.poll() is None:  # not after it exited: its pid may be another process's by now
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signal.SIGTERM)
     try:
         proc.wait(15)
     except subprocess.TimeoutExpired:
         pass
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)  # whatever is left of the group
+    # Whatever is left of the session: workers and agents have process groups of their own.
+    for _ in range(10):
+        left = [pid for pid in session_processes(proc.pid) if pid != proc.pid or proc.poll() is None]
+        if not left:
+            break
+        for pid in left:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.2)
     with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(5)
+    watchdog = getattr(proc, "watchdog", None)
+    if watchdog is not None:
+        watchdog.kill()
+        watchdog.wait()
