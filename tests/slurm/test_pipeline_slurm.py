@@ -370,7 +370,7 @@ def test_where_a_stage_runs_is_not_part_of_its_cache_key(scenario):
     changed = scenario["root"] / "changed-launcher.yaml"
     changed.write_text(yaml.safe_dump(config))
     same = slurm_plan(scenario["configfile"])
-    assert slurm_plan(changed, "--set-resources", "sft:cpus_per_node=1", "report:cluster=local") == same
+    assert slurm_plan(changed, "--set-resources", "sft:mem_gb=3", "report:cluster=local") == same
 
 
 def test_impossible_request_fails_before_anything_is_queued(slurm_cluster, tmp_path):
