@@ -22,9 +22,13 @@ def reward_name(reward: str) -> str:
 def load_reward_fn(path: Path):
     """reward_fn from a Python file, after checking that it takes (prompts, completions, labels)."""
     path = Path(path)
-    if path.suffix != ".py" or not path.is_file():
-        raise RewardFileError(f"{path} is not a Python file; a reward is `model` or a .py file defining "
-                              "reward_fn(prompts, completions, labels)")
+    what = "a reward is `model` or a .py file defining reward_fn(prompts, completions, labels)"
+    if not path.exists():
+        raise RewardFileError(f"{path}: no such file (relative paths are taken from the repository root); {what}")
+    if path.is_dir():
+        raise RewardFileError(f"{path} is a directory, not a Python file; {what}")
+    if path.suffix != ".py":
+        raise RewardFileError(f"{path} is not a Python file (.py); {what}")
     spec = importlib.util.spec_from_file_location(f"alignpipe_reward_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
     try:

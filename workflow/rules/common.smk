@@ -7,7 +7,8 @@ from pathlib import PurePosixPath
 sys.path.insert(0, workflow.basedir)
 from launcher.code_hash import stage_code_hash
 from launcher.checks import check_before_queueing
-from launcher.config import ConfigError, method_seeds, results_root, rl_variant, seeded_models, validate_config
+from launcher.config import (ConfigError, method_seeds, results_root, rl_variant, seeded_models, stage_jobs,
+                             validate_config)
 from runtime.user_data import DataError, ROLES, is_builtin, is_hub
 
 try:
@@ -102,5 +103,4 @@ def model_dir(wildcards):
 
 def evaluated_runs():
     """(model, seed) of every evaluation the report shows, in the order of evaluate.models."""
-    return [(model, seed) for model in config["evaluate"]["models"]
-            for seed in (SEEDS if model in SEEDED_MODELS else [config["seed"]])]
+    return [(params["model"], params["seed"]) for stage, _, params in stage_jobs(config) if stage == "evaluate"]
