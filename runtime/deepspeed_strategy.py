@@ -5,9 +5,9 @@ this base owns everything else. On GPUs each rank uses the one GPU Ray gave it (
 that GPU, so it is device 0), NCCL between ranks, bf16 weights with fp32 master weights in DeepSpeed's optimizer
 (`precision`). On CPU the backend is gloo, everything fp32, and the optimizer is torch's fused AdamW
 (DeepSpeedCPUAdam would JIT-compile for minutes; the fused kernel steps SmolLM2-135M in 0.14 s on 2 cores, the
-default per-tensor loop in 0.8 s).
+default per-tensor loop in 0.8 s). GPUs step the same torch AdamW: DeepSpeed's FusedAdam would JIT-build a CUDA
+extension (nvcc) that GPU nodes often lack, so `offload_states` (rl.vllm.sleep) moves its states itself.
 """
-import contextlib
 import dataclasses
 import math
 import os
@@ -16,8 +16,8 @@ from pathlib import Path
 
 import torch
 
-from runtime.lora import apply_lora, merged_state_dict, resolve_targets
-from runtime.models import model_dtype
+from runtime.lora import apply_lora, resolve_targets
+from runtime.models import model_dtype, release_cached_memory
 
 
 def ds_config(zero_stage: int, micro_batch_size: int, grad_accum: int, world_size: int, max_grad_norm: float,
@@ -162,18 +162,50 @@ class DeepSpeedWorker:
             torch.cuda.set_rng_state_all(rng["cuda"])
 
     def save_hf(self, out_dir: str, tokenizer_dir: str) -> None:
-        """Write an HF `save_pretrained` directory (safetensors) from rank 0; all ranks must call it."""
-        import deepspeed
-        model = self.engine.module
-        gather = deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None) if self.zero_stage == 3 \
-            else contextlib.nullcontext()
-        with gather:  # under ZeRO-3 the full weights exist only inside this context
-            if self.rank == 0:
-                model.save_pretrained(out_dir, state_dict=merged_state_dict(model) if self.lora else None,
-                                      safe_serialization=True)
+        """Write an HF `save_pretrained` directory (safetensors) from rank 0; all ranks must call it. The weights are
+        walked one module at a time (weight_sync.hf_weights: under ZeRO-3 only that module's parameters are gathered,
+        LoRA adapters folded into their layer) and rank 0 keeps a CPU copy of each: no rank ever holds the whole
+        model on its device."""
+        from runtime.weight_sync import hf_weights
+        zero3 = self.zero_stage == 3
+        state_dict = {}
+        for name, tensor in hf_weights(self.engine.module, zero3):
+            if self.rank == 0:  # a copy under ZeRO-3: the gathered tensor is freed with its module
+                state_dict[name] = tensor.to("cpu", copy=zero3)
         if self.rank == 0:
             from runtime.models import load_tokenizer, record_remote_code, trusts_remote_code
+            self.engine.module.save_pretrained(out_dir, state_dict=state_dict, safe_serialization=True)
             load_tokenizer(tokenizer_dir).save_pretrained(out_dir)
             record_remote_code(out_dir, trusts_remote_code(tokenizer_dir))
         torch.distributed.barrier()
 
+    def offload_states(self) -> None:
+        """Free this rank's GPU memory while vLLM generates (rl.vllm.sleep, ZeRO-3): the gradient buffers, the fp32
+        master weights and the optimizer's states go to CPU memory; the bf16 weights stay (the weight sync reads
+        them). DeepSpeed's offload_states moves master weights and optimizer states only for its own FusedAdam (a
+        CUDA build); the trainers step torch's AdamW, so those two are moved here."""
+        from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum
+        pin = torch.cuda.is_available()  # page-locked for fast copies; DeepSpeed's CPU accelerator cannot pin
+        self.engine.offload_states(include=[OffloadStateTypeEnum.lp_grads, OffloadStateTypeEnum.contiguous_grad_buffer],
+                                   pin_memory=pin)
+        self.offloaded = []
+        if not self.engine.zero_use_cpu_optimizer():  # offload_optimizer: they are in CPU memory already
+            for tensor in self.optimizer_tensors():
+                host = torch.empty_like(tensor, device="cpu", pin_memory=pin).copy_(tensor)
+                self.offloaded.append((tensor, tensor.device))
+                tensor.data = host  # the same tensor object: the optimizer keeps its references
+        release_cached_memory()
+
+    def reload_states(self) -> None:
+        """Undo offload_states before the trainer's next forward."""
+        self.engine.reload_states()
+        for tensor, device in self.offloaded:
+            tensor.data = tensor.data.to(device)
+        self.offloaded = []
+
+    def optimizer_tensors(self) -> list[torch.Tensor]:
+        """ZeRO-3's fp32 master weights (the flat partitions the inner torch optimizer steps) and that optimizer's
+        states (Adam's moments and step counts)."""
+        zero = self.engine.optimizer
+        states = [value for state in zero.optimizer.state.values() for value in state.values() if torch.is_tensor(value)]
+        return list(zero.fp32_partitioned_groups_flat) + states

@@ -108,8 +108,7 @@ def generate(roles: Roles, prompts: list[dict], n: int, cfg, seed: int, temperat
 
 def score(roles: Roles, rollout: Rollout) -> list[float]:
     if roles.reward_model is not None:
-        return [s for part in roles.reward_model.call_per_rank("scores", shares(rollout, roles.reward_model))
-                for s in part]
+        return [s for part in split_call(roles.reward_model, "scores", rollout) for s in part]
     return call_reward_fn(roles.reward_fn, roles.reward_file, rollout.prompts, rollout.completions, rollout.labels)
 
 
@@ -120,15 +119,21 @@ def trains_once(cfg) -> bool:
     return cfg.ppo_epochs == 1 and cfg.batch_size == cfg.rollout_batch_size * cfg.n_samples and not cfg.kl_in_reward
 
 
-def shares(rollout: Rollout, group) -> list[Rollout]:
-    """Contiguous shares of the rows, one per rank of `group`."""
+def shares(rollout: Rollout, ranks: int) -> list[Rollout]:
+    """Contiguous shares of the rows, one per rank, all of one size. Under ZeRO-3 every forward gathers each layer's
+    weights from all ranks, so every rank must run as many forwards as the others: a rank with fewer rows (fewer
+    forward_micro_batch_size pieces, or none) would leave the rest waiting in a gather forever. A short share is
+    filled up with copies of the last row, whose results `split_call` drops."""
+    size = -(-len(rollout) // ranks)
+    return [rollout[[min(i, len(rollout) - 1) for i in range(r * size, (r + 1) * size)]] for r in range(ranks)]
+
+
+def split_call(group, method: str, rollout: Rollout) -> list:
+    """Call `method` on the ranks of `group` with equal shares of the rows (`shares`); each rank's results for its
+    own rows (filler rows dropped), in rank order, so in row order once joined."""
     size = -(-len(rollout) // len(group.actors))
-    return [rollout[i * size:(i + 1) * size] for i in range(len(group.actors))]
-
-
-def split_call(group, method: str, rollout: Rollout) -> torch.Tensor:
-    """Call `method` on the ranks of `group` with contiguous shares of the rows; their (b, T) results in row order."""
-    return torch.cat(group.call_per_rank(method, shares(rollout, group)))
+    per_rank = group.call_per_rank(method, shares(rollout, len(group.actors)))
+    return [result[:max(0, min(size, len(rollout) - r * size))] for r, result in enumerate(per_rank)]
 
 
 def make_experience(roles: Roles, cfg, rollout: Rollout, kl_coef: float, reward_stats: dict) -> dict:
@@ -139,10 +144,10 @@ def make_experience(roles: Roles, cfg, rollout: Rollout, kl_coef: float, reward_
         scores = (scores - reward_stats["mean"]) / max(reward_stats["std"], 1e-6)
     if cfg.reward_clip:
         scores = scores.clamp(-cfg.reward_clip, cfg.reward_clip)
-    rollout.ref_logp = split_call(roles.reference, "logprobs", rollout)
+    rollout.ref_logp = torch.cat(split_call(roles.reference, "logprobs", rollout))
     once = trains_once(cfg)
     if not once:
-        rollout.old_logp = split_call(roles.policy, "logprobs", rollout)
+        rollout.old_logp = torch.cat(split_call(roles.policy, "logprobs", rollout))
     sampled = rollout.rollout_logp if once else rollout.old_logp  # vLLM's log-probs come from the same weights
     mask = rollout.mask
     kl = losses.kl_estimate(sampled, rollout.ref_logp, cfg.kl_estimator) * mask
@@ -152,7 +157,7 @@ def make_experience(roles: Roles, cfg, rollout: Rollout, kl_coef: float, reward_
     if cfg.kl_in_reward:
         token_rewards = token_rewards - kl_coef * kl
     if roles.critic is not None:
-        rollout.old_values = split_call(roles.critic, "values", rollout)
+        rollout.old_values = torch.cat(split_call(roles.critic, "values", rollout))
     advantages, returns = compute_advantages(cfg.estimator, token_rewards, mask, cfg.n_samples, rollout.old_values,
                                              cfg.gamma, cfg.lam)
     padding = ~mask.bool()

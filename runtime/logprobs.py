@@ -58,18 +58,64 @@ def response_logprobs(model, batch: dict):
     return token_logprobs(logits, labels) * mask, mask
 
 
-def token_logprobs(logits: Tensor, labels: Tensor) -> Tensor:
-    """log p(label) per position: logits (B, T, V), labels (B, T) -> (B, T), in float32."""
-    # float32: a log-softmax in bf16 loses the small differences that ratios and KL depend on.
-    # gather minus logsumexp avoids keeping a full (B, T, V) log-softmax around.
-    logits = logits.float()
-    picked = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
-    return picked - torch.logsumexp(logits, dim=-1)
+# float32 logits made at a time by token_logprobs and entropy_from_logits: 64 MiB is 128 positions at a 128k
+# vocabulary. Unchunked, a (B, T, V) float32 copy plus logsumexp's temporaries is 20-40 GB at 16 rows of 1-2k tokens.
+LOGITS_CHUNK_BYTES = 64 * 2**20
 
 
-def entropy_from_logits(logits: Tensor) -> Tensor:
-    """Entropy of the next-token distribution: logits (B, T, V) -> (B, T)."""
-    logits = logits.float()
-    probs = torch.softmax(logits, dim=-1)
-    # H = -sum p log p = logsumexp(z) - sum p z
-    return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(-1)
+def logit_chunks(logits: Tensor, max_bytes: int):
+    """(row, positions) indices into logits (B, T, V), each at most `max_bytes` of float32 (at least one position)."""
+    rows, positions, vocab = logits.shape
+    step = max(1, max_bytes // (4 * vocab))
+    for row in range(rows):
+        for start in range(0, positions, step):
+            yield row, slice(start, start + step)
+
+
+class TokenLogprobs(torch.autograd.Function):
+    """log p(label) = z_label - logsumexp(z) over a chunk of positions at a time, forward and backward. The graph
+    keeps only the logits (which the model's graph holds anyway) and the (B, T) logsumexp; no float32 copy of them."""
+
+    @staticmethod
+    def forward(ctx, logits: Tensor, labels: Tensor, max_bytes: int) -> Tensor:
+        logp = torch.empty(labels.shape, dtype=torch.float32, device=logits.device)
+        lse = torch.empty_like(logp)
+        for row, span in logit_chunks(logits, max_bytes):
+            z = logits[row, span].float()
+            lse[row, span] = torch.logsumexp(z, dim=-1)
+            logp[row, span] = z.gather(-1, labels[row, span, None]).squeeze(-1) - lse[row, span]
+        ctx.save_for_backward(logits, labels, lse)
+        ctx.max_bytes = max_bytes
+        return logp
+
+    @staticmethod
+    def backward(ctx, grad_logp: Tensor):
+        logits, labels, lse = ctx.saved_tensors
+        grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+        for row, span in logit_chunks(logits, ctx.max_bytes):
+            g = grad_logp[row, span, None]
+            # d log p(y) / d z_v = 1[v = y] - softmax(z)_v
+            chunk = (logits[row, span].float() - lse[row, span, None]).exp_().mul_(-g)
+            grad[row, span] = chunk.scatter_add_(-1, labels[row, span, None], g)
+        return grad, None, None
+
+
+def token_logprobs(logits: Tensor, labels: Tensor, max_bytes: int = LOGITS_CHUNK_BYTES) -> Tensor:
+    """log p(label) per position: logits (B, T, V), labels (B, T) -> (B, T), in float32.
+
+    float32: a log-softmax in bf16 loses the small differences that ratios and KL depend on. Memory: the float32
+    logits are made `max_bytes` at a time; with that chunk's temporaries the call needs at most 4 * max_bytes beyond
+    its input and (B, T) output (256 MiB by default), and its backward pass beyond that only the logits' gradient."""
+    return TokenLogprobs.apply(logits, labels, max_bytes)
+
+
+def entropy_from_logits(logits: Tensor, max_bytes: int = LOGITS_CHUNK_BYTES) -> Tensor:
+    """Entropy of the next-token distribution: logits (B, T, V) -> (B, T), in float32. Memory as token_logprobs'
+    without autograd (at most 4 * max_bytes beyond input and output); with autograd (an entropy bonus trained on)
+    the graph keeps every chunk's float32 logits and probabilities for the backward pass."""
+    entropy = torch.empty(logits.shape[:2], dtype=torch.float32, device=logits.device)
+    for row, span in logit_chunks(logits, max_bytes):
+        z = logits[row, span].float()
+        # H = -sum p log p = logsumexp(z) - sum p z
+        entropy[row, span] = torch.logsumexp(z, dim=-1) - (torch.softmax(z, dim=-1) * z).sum(-1)
+    return entropy

@@ -100,15 +100,45 @@ def device():
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
+def release_cached_memory() -> None:
+    """Hand the GPU memory torch's allocator keeps cached (a forward's activations and logits) back to the device, for
+    the roles that share the GPU (vLLM, the trainers). Nothing to do on CPU."""
+    import gc
+    import torch
+    if torch.cuda.is_available():
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def dropout_keys(path) -> list[str]:
+    """The dropout rates in the directory's config (`*dropout*`, `*pdrop*`: GPT-2's resid/embd/attn_pdrop, Llama's
+    attention_dropout, ...)."""
+    from transformers import AutoConfig
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trusts_remote_code(path)).to_dict()
+    return [key for key, value in config.items() if ("dropout" in key or "pdrop" in key)
+            and isinstance(value, (int, float)) and not isinstance(value, bool)]
+
+
 def _load(auto_cls: str, path, dtype, attn_implementation, **kwargs):
     """A model from a local directory: safetensors only, remote code as the directory records, in `dtype` (a torch
-    dtype name; float32 by default) with transformers' attention kernel `attn_implementation` (its default if None)."""
+    dtype name; float32 by default) with transformers' attention kernel `attn_implementation` (its default if None).
+
+    Without dropout, as TRL's trainers do by default: RL's ratio of new to old log-probs must be 1 before an update
+    (vLLM samples without dropout), and the frozen models and critics must score deterministically in train mode
+    too. The config's rates are 0 before the model is built (attention layers read `attention_dropout` as a number,
+    not through an nn.Dropout; save_pretrained then writes 0), and every nn.Dropout is set to 0 after (a head's rate
+    that is no config key: `*ForTokenClassification` defaults to 0.1)."""
     import torch
     import transformers
     options = {"attn_implementation": attn_implementation} if attn_implementation else {}
-    return getattr(transformers, auto_cls).from_pretrained(path, dtype=getattr(torch, dtype), use_safetensors=True,
-                                                           trust_remote_code=trusts_remote_code(path), **options,
-                                                           **kwargs)
+    no_dropout = {key: 0.0 for key in dropout_keys(path)}
+    model = getattr(transformers, auto_cls).from_pretrained(path, dtype=getattr(torch, dtype), use_safetensors=True,
+                                                            trust_remote_code=trusts_remote_code(path), **options,
+                                                            **no_dropout, **kwargs)
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    return model
 
 
 def load_causal_lm(path, dtype: str = "float32", attn_implementation: str | None = None):
@@ -185,10 +215,8 @@ def build_tiny(out_dir: Path, tiny: dict, seed: int, texts: list[str]) -> None:
     special = dict(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                    pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=True)
     architecture = tiny.get("architecture", "llama")
-    if architecture == "gpt2":
-        # No dropout: RL's ratio of new to old log-probs must be 1 before an update, as vLLM computes it.
-        config = transformers.GPT2Config(n_embd=size, n_layer=layers, n_head=heads, n_positions=512, resid_pdrop=0.0,
-                                         embd_pdrop=0.0, attn_pdrop=0.0, **special)
+    if architecture == "gpt2":  # (GPT-2's default dropouts are 0.1: the loaders turn them off)
+        config = transformers.GPT2Config(n_embd=size, n_layer=layers, n_head=heads, n_positions=512, **special)
         model_cls = transformers.GPT2LMHeadModel
     else:
         config_cls, model_cls = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),

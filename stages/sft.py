@@ -46,6 +46,7 @@ class SFTWorker(DeepSpeedWorker):
     def setup(self, cfg: Config, rank: Rank) -> None:
         self.init_distributed(rank.rank, rank.rendezvous, rank.num_threads)
         self.tokenizer = load_tokenizer(rank.model_dir)
+        self.cfg = cfg
         self.build_engine(cfg, rank, load_causal_lm)
 
     def loss(self, rows):
@@ -54,17 +55,22 @@ class SFTWorker(DeepSpeedWorker):
         return loss, {"loss": loss.detach()}
 
     @torch.no_grad()
-    def evaluate(self, rows) -> tuple[float, float]:
-        if not rows:
-            return 0.0, 0.0
+    def evaluate(self, rows) -> list[tuple[float, float]]:
+        """Each row's summed negative log-likelihood of its response tokens and their count, forward_micro_batch_size
+        rows per forward (trainer.forward_pieces)."""
         self.engine.eval()
-        nll, tokens = response_nll(self.engine, tokenize_sft(self.tokenizer, rows))
+        results = []
+        for piece in trainer.forward_pieces(rows, self.cfg):
+            logp, mask = response_logprobs(self.engine, tokenize_sft(self.tokenizer, piece))
+            results += zip((-logp.sum(-1)).tolist(), mask.sum(-1).tolist())
         self.engine.train()
-        return nll.item(), tokens.item()
+        return results
 
 
 def held_out_loss(group, rows: list, world_size: int) -> float:
-    results = trainer.evaluate_split(group, rows, world_size)
+    """Mean negative log-likelihood per response token over the held-out rows (trainer.per_row: as many forwards on
+    every rank)."""
+    results = trainer.per_row(group, rows, world_size, "evaluate")
     return sum(n for n, _ in results) / max(1.0, sum(t for _, t in results))
 
 

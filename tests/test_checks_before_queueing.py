@@ -55,7 +55,10 @@ def test_a_float_for_an_integer_is_refused(tmp_path):
      ["stage dpo: dpo.num_workers = 2 Ray actors", "x 1 CPUs (launcher.stages.dpo.cpus_per_node) = 1"]),
     ({"launcher": {"stages": {"evaluate": {"sbatch_extra": "--time=10"}}}},
      ["stage evaluate: launcher.stages.evaluate.sbatch_extra: --time is set by the launcher", "timeout_min"]),
-], ids=["sft-nodes-on-local", "dpo-workers-do-not-fit", "evaluate-sbatch-extra"])
+    ({"launcher": {"stages": {"rl": {"gpus_per_node": 2}}}},  # colocated: 2 policy ranks, 1 engine of 1 GPU
+     ["stages rl/grpo, rl/ppo: rl.colocate = true on GPUs", "rl.num_workers = 2, but rl.vllm.num_engines x "
+      "rl.vllm.tensor_parallel_size = 1 x 1 = 1; set num_workers = 1 or vllm.num_engines = 2, or colocate: false"]),
+], ids=["sft-nodes-on-local", "dpo-workers-do-not-fit", "evaluate-sbatch-extra", "rl-colocated-ranks-not-engine-gpus"])
 def test_resource_errors_of_any_stage_are_refused(tmp_path, overrides, fragments):
     output = refused(tmp_path, **overrides)
     assert "jobs the launcher would refuse" in output and "bad.yaml" in output, output[-3000:]

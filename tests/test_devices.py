@@ -21,7 +21,7 @@ from runtime.actor_group import ActorGroup, bundles, reserve
 from runtime.experience import Rollout
 from runtime.logprobs import response_logprobs
 from runtime.rl_actors import CriticWorker, PolicyWorker
-from runtime.rollout import engine_options, engine_placements, start_engines
+from runtime.rollout import ENGINE_ACTOR_GPU, engine_options, engine_placement, start_engines
 from stages import dpo, reward_model, rl, sft
 
 CONFIG = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
@@ -73,9 +73,11 @@ def test_losses_and_logprobs_stay_on_the_models_device():
 
     for loss_name in ("dpo", "kto"):
         worker = dpo.DPOWorker()
-        worker.engine, worker.reference, worker.tokenizer = policy.engine, on_meta(LlamaForCausalLM), Tokenizer()
+        worker.engine, worker.tokenizer = policy.engine, Tokenizer()
         worker.cfg = stage_config(dpo, {"dpo": {"loss": loss_name, "nll_weight": 0.1}})
-        assert worker.loss(PAIRS)[0].device.type == "meta", loss_name
+        reference_logps = lambda rows: [dict.fromkeys(dpo.REFERENCE_KEYS, -5.0) for _ in rows]
+        rows = dpo.with_reference(PAIRS, loss_name, reference_logps)
+        assert worker.loss(rows)[0].device.type == "meta", loss_name
 
     worker = reward_model.RewardWorker()
     worker.engine, worker.tokenizer = on_meta(LlamaForSequenceClassification), Tokenizer()
@@ -92,10 +94,12 @@ def test_engine_options_and_placements_follow_the_config(tmp_path):
     assert (gpu["dtype"], gpu["tensor_parallel_size"], gpu["distributed_executor_backend"]) == ("bfloat16", 2, "ray")
     assert gpu["gpu_memory_utilization"] == 0.5 and gpu["enforce_eager"] is False and gpu["enable_prefix_caching"]
     assert engine_options(str(tmp_path), 0, 128, vllm, True, "bfloat16", shares_gpu=False)["gpu_memory_utilization"] == 0.9
-    placed = engine_placements(2, 2, 0.25)
-    assert [p["env"]["VLLM_RAY_BUNDLE_INDICES"] for p in placed] == ["0,1", "2,3"]
-    assert all(p["num_gpus"] == 0 and p["env"]["VLLM_RAY_PER_WORKER_GPUS"] == "0.25" for p in placed)
-    assert [(p["bundle"], p["num_gpus"]) for p in engine_placements(3, 1, 1.0)] == [(0, 1.0), (1, 1.0), (2, 1.0)]
+    placed = engine_placement([2, 3], 0.25)
+    assert (placed["bundle"], placed["num_gpus"], placed["env"]["VLLM_RAY_BUNDLE_INDICES"]) == (2, ENGINE_ACTOR_GPU,
+                                                                                               "2,3")
+    # the engine's actor and its worker in bundle 2 together take the bundle's share, no more
+    assert float(placed["env"]["VLLM_RAY_PER_WORKER_GPUS"]) + ENGINE_ACTOR_GPU == pytest.approx(0.25)
+    assert engine_placement([1], 1.0) == {"bundle": 1, "num_gpus": 1.0, "env": {}}
 
 
 class Probe:
@@ -150,7 +154,9 @@ def test_colocated_roles_share_each_gpu(ray_with_gpus):
     assert len({tuple(r) for r in ranks}) == 4
     assert [s["gpu_ids"] for s in reference.call("devices")] == ranks, "rank i of every role on bundle i's GPU"
     tp = ray.get([e.devices.remote() for e in engines])
-    assert [t["bundle_indices"] for t in tp] == ["0,1", "2,3"] and all(t["gpu_ids"] == [] for t in tp)
+    assert [t["bundle_indices"] for t in tp] == ["0,1", "2,3"]
+    assert [(t["gpu_ids"], t["visible"]) for t in tp] == [(ranks[0], ranks[0][0]), (ranks[2], ranks[2][0])], \
+        "a tensor-parallel engine sees the GPU of its first bundle"
     for engine in engines:
         ray.kill(engine)
     policy.shutdown()

@@ -7,19 +7,11 @@ from transformers import LlamaConfig, LlamaForCausalLM, LlamaForTokenClassificat
 
 from launcher.config import stage_config
 from runtime import rl_actors
-from runtime.experience import Rollout
 from runtime.rl_actors import CriticWorker, PolicyWorker
+from stage_helpers import rollout
 from stages import rl
 
 CONFIG = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2)
-
-
-def rollout() -> Rollout:
-    prompts = [[5, 6, 7], [5, 6], [9, 10, 11, 12], [4]]
-    responses = [[8, 9, 10, 11], [12, 13], [14], [15, 16, 17]]
-    per_token = lambda value: [[value] * len(r) for r in responses]
-    return Rollout.of(prompts, responses, advantages=per_token(1.0), ref_logp=per_token(-4.0),
-                      rollout_logp=per_token(-4.1))
 
 
 @pytest.mark.parametrize("size", [1, 3])

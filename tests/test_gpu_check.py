@@ -1,7 +1,9 @@
-"""The GPU check (tests/gpu/check_training.py) in its CPU mode, so that its code path keeps working where CI has no
-GPU: every training worker set up by its stage's Config, a few DeepSpeed steps with finite losses, the ZeRO-3 gather
-against the exported model, the JSON report; all with Ray hidden behind the placeholder, so any Ray call in the
-check fails here."""
+"""The one-GPU check (tests/gpu/check_training.py) in its CPU mode, so that its code path keeps working where CI has
+no GPU: every training worker set up by its stage's Config, a few DeepSpeed steps with finite losses, and each of the
+report's `checks` that a CPU can run (the ZeRO-3 policy's offload / reload with identical losses, the frozen scorers
+at zero_stage 3, the per-module gather against save_hf's export, token log-probs at a 128k vocabulary), the others
+reported as skipped or not measured with their reason; all with Ray hidden behind the placeholder, so any Ray call in
+the check fails here."""
 import json
 import math
 import os
@@ -15,9 +17,11 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "tests" / "gpu" / "check_training.py"
 WORKERS = {"sft", "reward", "dpo", "policy", "critic"}
+CHECKS = {"offload_reload", "frozen_zero3", "cuda_ipc", "save_hf_peak", "logprobs_128k", "steps_vs_fp32", "mfu"}
 
-@pytest.mark.e2e  # six processes with DeepSpeed: about a minute on 2 cores
-def test_cpu_mode_runs_every_worker(tmp_path):
+
+@pytest.mark.e2e  # six processes with DeepSpeed, two at a time: 46 s on 2 shared cores
+def test_cpu_mode_runs_every_worker_and_check(tmp_path):
     out = tmp_path / "results.json"
     env = dict(os.environ, ALIGNPIPE_GPU_CHECK_FAKE_RAY="1", CUDA_VISIBLE_DEVICES="")
     start = time.perf_counter()
@@ -31,26 +35,65 @@ def test_cpu_mode_runs_every_worker(tmp_path):
     assert report["mode"] == "cpu"
     assert report["ray"].startswith("placeholder"), report["ray"]
     assert set(report["workers"]) == WORKERS
+    steps = report["sizes"]["tiny"]["steps"]
     for name, entry in report["workers"].items():
-        run = entry["check"]
+        run = entry["tiny"]
         assert "error" not in run, (name, run.get("error"), run.get("log_tail"))
         assert run["ray"].startswith("placeholder") and run["ray_used"] == []
         assert run["backend"] == "gloo" and run["precision"] == "fp32"
         assert run["gradient_checkpointing"] is True
         assert run["zero3_partitioned"] == (entry["zero_stage"] == 3)
         assert run["zero3_config_at_start"] is False  # no HfDeepSpeedConfig leaks between workers
-        assert len(run["steps"]) == report["sizes"]["tiny"]["steps"]
+        assert len(run["steps"]) == steps
         for step in run["steps"]:
             assert step["stats"] and all(math.isfinite(v) for v in step["stats"].values()), (name, step)
             assert step["seconds"] > 0 and step["tokens"] >= step["real_tokens"] > 0
         assert set(entry["compared"]) <= set(run["steps"][0]["stats"])
-        assert entry["comparison"]["ok"]
+        assert entry["comparison"]["ok"] and len(entry["comparison"]["steps"]) == steps  # (the run against itself)
         assert entry["performance"]["tokens_per_s"] > 0 and entry["performance"]["mfu"] is None
-    assert {n for n, e in report["workers"].items() if e["zero_stage"] == 3} >= {"policy"}
-    gather = report["workers"]["policy"]["check"]["gather"]
+
+    checks = report["checks"]
+    assert set(checks) == CHECKS
+    assert {name: check["status"] for name, check in checks.items()} == {
+        "offload_reload": "passed", "frozen_zero3": "passed", "save_hf_peak": "passed", "logprobs_128k": "passed",
+        "cuda_ipc": "skipped", "steps_vs_fp32": "skipped", "mfu": "skipped"}
+    for name, check in checks.items():
+        assert check["what"] and (check["status"] != "skipped" or check["reason"]), name
+    assert "GPU" in checks["cuda_ipc"]["reason"] and "--cpu" in checks["steps_vs_fp32"]["reason"]
+    for name in ("offload_reload", "frozen_zero3", "save_hf_peak", "logprobs_128k"):  # what only CUDA measures
+        assert all("CUDA" in reason for reason in checks[name]["not_measured"].values()), name
+
+    # rl.vllm.sleep: the fp32 master weights and AdamW's states leave for host memory and come back before every
+    # step, DeepSpeed moves the gradient buffers, and the offloaded policy trains exactly as the plain one.
+    offload = checks["offload_reload"]["results"]["tiny"]
+    assert offload["identical"] and offload["trained"] and len(offload["cycles"]) == steps
+    assert all(c["on_host"] and c["back"] and c["pinned"] is None for c in offload["cycles"])
+    assert {"lp_grads", "contiguous_grad_buffer"} <= set(offload["cycles"][-1]["deepspeed_offloaded"])
+    moved = [c["moved_bytes"] for c in offload["cycles"]]
+    assert 0 < moved[0] < moved[1]  # AdamW makes its states at the first step
+    assert [s["policy_loss"] for s in offload["offloaded_steps"]] == [s["policy_loss"] for s in offload["plain_steps"]]
+
+    # The frozen reference and reward model at zero_stage 3 and one rank: whole models, finite scores, and the
+    # reference's log-probs are the policy's before its first update (through its ZeRO-3 engine).
+    frozen = checks["frozen_zero3"]["results"]["tiny"]
+    assert frozen["zero_stage"] == 3 and frozen["world_size"] == 1
+    for scorer in (frozen["reference"], frozen["reward_model"]):
+        assert scorer["finite"] and scorer["sharded"] is False and scorer["seconds"] > 0
+    assert frozen["policy_agreement"]["max_abs_diff"] <= frozen["policy_agreement"]["atol"] == 1e-4
+
+    gather = report["workers"]["policy"]["tiny"]["gather"]
     assert gather["ok"], gather
     assert gather["partitioned_outside_gather"] and gather["partitioned_params"] > 0
     assert gather["tensors"] > 0 and gather["seconds"] > 0 and not gather["value_mismatches"]
+    save_hf = checks["save_hf_peak"]["results"]["tiny"]
+    assert 0 < save_hf["largest_module_bytes"] < save_hf["model_bytes"] and save_hf["seconds"] > 0
+
+    logprobs = checks["logprobs_128k"]["results"]["logprobs"]
+    assert logprobs["shape"]["vocab"] == 128256
+    assert logprobs["shape"]["positions"] * logprobs["shape"]["vocab"] * 4 > logprobs["chunk_bytes"]  # several chunks
+    for label in ("chunked", "unchunked"):
+        assert all(logprobs[label][mode]["seconds"] > 0 for mode in ("forward", "forward_backward"))
+    assert all(logprobs["max_abs_diff"][k] <= logprobs["tolerance"][k] for k in ("logprobs", "grad"))
 
 
 def test_ray_placeholder_fails_on_use():

@@ -1,8 +1,10 @@
 """Trainer -> vLLM weight sync (in memory, as the rl stage does it on CPU): after each training step and sync, vLLM
 samples from exactly the trainer's policy (its log-probs equal the trainer's) and its greedy output equals that of
-the model the trainer exports. Also: the policy trainer's checkpoint under LoRA restores it exactly."""
+the model the trainer exports; the engine calls its workers' methods by name (weight_sync.WorkerExtension), never by
+passing a Python function. Also: the policy trainer's checkpoint under LoRA restores it exactly."""
 import os
 import statistics
+import sys
 import tempfile
 
 import pytest
@@ -13,7 +15,7 @@ from runtime import checkpoints, models, trainer
 from runtime.builtin_data import load_reviews
 from runtime.experience import Rollout
 from runtime.rl_actors import PolicyWorker
-from runtime.rollout import start_engines
+from runtime.rollout import VLLMEngine, start_engines
 from launcher.config import stage_config, validate_config
 from stage_helpers import Tracker
 from stages import rl
@@ -26,10 +28,31 @@ VLLM = validate_config({})["rl"]["vllm"]  # the schema's defaults (on CPU the en
 def local_ray():
     os.environ.update(RAY_AUTH_MODE="disabled", VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1",
                       HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # Ray's workers cannot import tests/
     ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING",
              _temp_dir=tempfile.mkdtemp(prefix="ray-test-", dir="/tmp"))
     yield
     ray.shutdown()
+
+
+class RecordingEngine(VLLMEngine):
+    """The real engine, noting what each of its LLM.collective_rpc calls names."""
+
+    def _start(self, model_dir: str):
+        llm = super()._start(model_dir)
+        self.rpc_methods, call = [], llm.collective_rpc
+
+        def recorded(method, *args, **kwargs):
+            self.rpc_methods.append(method)
+            return call(method, *args, **kwargs)
+        llm.collective_rpc = recorded
+        return llm
+
+    def rpc(self, method: str) -> list:
+        return self.llm.collective_rpc(method)
+
+    def rpc_methods_called(self) -> list:
+        return [m if isinstance(m, str) else f"a {type(m).__name__}" for m in self.rpc_methods]
 
 
 def tiny_base(tmp_path):
@@ -65,7 +88,7 @@ def test_vllm_matches_trainer_after_each_sync(tmp_path, local_ray, zero_stage, l
     tokenizer = models.load_tokenizer(base)
     prompt_ids = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in ("a gripping film", "the plot is")]
     policy = start_policy(base, zero_stage, lora_rank, batch_size=8)
-    engine = start_engines(str(base), 0, 64, VLLM, 1, 0.5, gpus=False)[0]
+    engine = start_engines(str(base), 0, 64, VLLM, 1, 0.5, gpus=False, engine_cls=RecordingEngine)[0]
 
     def sample(seed: int) -> Rollout:
         outputs = ray.get(engine.generate.remote(prompt_ids, 4, 1.0, 1.0, 8, seed))
@@ -91,6 +114,10 @@ def test_vllm_matches_trainer_after_each_sync(tmp_path, local_ray, zero_stage, l
         policy.call("save_hf", str(exported), str(base))
         assert greedy() == hf_greedy(exported, prompt_ids, 8)
     assert greedy() != first, "three training steps should have changed the greedy output"
+    # By name: vLLM's msgpack RPC refuses Python functions once its engine core runs in a process of its own.
+    assert set(ray.get(engine.rpc_methods_called.remote())) == {"reload_weights", "repack_cpu_gemm"}
+    assert ray.get(engine.rpc.remote("repack_cpu_gemm"))[0] > 0  # a WorkerExtension method, on vLLM's worker
+    ray.kill(engine)
     policy.shutdown()
 
 

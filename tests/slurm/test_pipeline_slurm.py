@@ -30,7 +30,7 @@ from pipeline_helpers import SNAKEMAKE, planned_jobs, wait_until
 
 pytestmark = [pytest.mark.slurm, pytest.mark.e2e]
 
-SFT_EPOCHS, CHECKPOINT_EVERY = 40, 25           # 64 rows / batch 8 = 8 steps per epoch
+SFT_EPOCHS, CHECKPOINT_EVERY = 20, 25           # 64 rows / batch 8 = 8 steps per epoch
 SFT_STEPS = 8 * SFT_EPOCHS
 # One training stage with GPUs: reward_model (one node, its 2 ranks PACKed onto that node's 2 GPUs). Not sft: on GPUs
 # Ray PACKs the ranks onto one node, and the sft job must keep its ranks on both nodes (one gloo group across them).
@@ -45,8 +45,10 @@ def tiny_slurm_config(path: Path, results: Path) -> Path:
     config["sft"] |= {"epochs": SFT_EPOCHS, "checkpoint_every": CHECKPOINT_EVERY, "num_workers": 2}
     config["evaluate"]["models"] = ["base", "sft"]
     config["seeds"] = None  # each method once
+    # The GPU job's mem_gb: the memory plan (launcher/memory.py) counts 3 GB of host memory per GPU process and lets
+    # them fill 85% of mem_gb; the nodes have 8000 MB.
     config["launcher"] = {"mem_gb": 3, "cpus_per_node": 2, "timeout_min": 30,
-                          "stages": {"sft": {"nodes": 2}, GPU_STAGE: {"gpus_per_node": GPUS_PER_NODE}}}
+                          "stages": {"sft": {"nodes": 2}, GPU_STAGE: {"gpus_per_node": GPUS_PER_NODE, "mem_gb": 7.5}}}
     # The rest of the DAG as small as it goes (these stages only need to run, each as its own Slurm job); an
     # override that the schema no longer accepts is left out.
     for block, key, value in (("reward_model", "epochs", 1), ("dpo", "epochs", 1), ("rl", "steps", 2)):

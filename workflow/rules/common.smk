@@ -16,10 +16,12 @@ try:
     _source = " + ".join(_sources) or "config"
     _validated = validate_config(config, source=_source)
     # Every job's resources, the users' data and the batches it must fill: a bad one stops the run here, before
-    # any stage is queued, not when its stage comes up hours later.
-    check_before_queueing(_validated, _source, workflow.resource_settings)
+    # any stage is queued, not when its stage comes up hours later. The GPU jobs' memory plan comes back as a table.
+    _memory_plan = check_before_queueing(_validated, _source, workflow.resource_settings)
 except (ConfigError, DataError) as err:
     raise WorkflowError(str(err)) from None
+if _memory_plan and workflow.output_settings.dryrun:  # (workflow.dryrun is known only once the DAG runs)
+    print(_memory_plan, file=sys.stderr)
 config.clear()
 config.update(_validated)
 
