@@ -14,6 +14,7 @@ import yaml
 from launcher.config import REPO_ROOT
 
 SNAKEMAKE = str(Path(sys.executable).with_name("snakemake"))
+DAG_JOBS = 2
 
 
 def snakemake(configfile: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
@@ -24,6 +25,13 @@ def snakemake(configfile: Path, *args: str, check: bool = True) -> subprocess.Co
         raise AssertionError(f"snakemake {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout[-6000:]}\n"
                              f"{proc.stderr[-6000:]}")
     return proc
+
+
+def run_dag(configfile: Path, *args: str) -> subprocess.CompletedProcess:
+    """The whole DAG (`all`), two stages at a time where the DAG allows (the local profile runs one): a tiny stage
+    leaves about 40% of two cores idle (process, Ray and vLLM start-up, log polling), and its results do not depend
+    on what runs beside it (each stage's threads and seeds come from its config)."""
+    return snakemake(configfile, "all", "--jobs", str(DAG_JOBS), *args)
 
 
 def planned_jobs(dry_run_stdout: str) -> dict[str, int]:
@@ -79,10 +87,11 @@ def write_config(path: Path, results_dir: Path, **overrides) -> Path:
     return path
 
 
-def submit_again(tiny_run: dict, stage_dir: Path, out_root: Path, **overrides):
+def submit_again(tiny_run: dict, stage_dir: Path, out_root: Path, experiment: str = "tiny-rerun", **overrides):
     """Submit the stage that wrote `stage_dir` once more through the launcher's StageJob, with the params and
     inputs its stage.json records (the stage's own settings updated by `overrides`), writing under `out_root`
-    and tracking to MLflow experiment `tiny-rerun`. Returns (submitit job, output dir, checkpoint dir)."""
+    and tracking to MLflow experiment `experiment` (jobs that run at once need their own: a stage's new run marks
+    a RUNNING one of its name stale). Returns (submitit job, output dir, checkpoint dir)."""
     from launcher.config import load_config_files
     from launcher.resources import stage_resources
     from launcher.submit import make_executor
@@ -98,7 +107,7 @@ def submit_again(tiny_run: dict, stage_dir: Path, out_root: Path, **overrides):
     output, checkpoints = out_root / run_name, out_root / "checkpoints" / run_name.replace("/", "-")
     job = make_executor(record["stage"], out_root / "logs", resources).submit(StageJob(
         stage=record["stage"], run_name=run_name, params=params, inputs=inputs, output=str(output),
-        experiment="tiny-rerun", tracking_uri=tiny_run["mlflow_uri"], resources=resources,
+        experiment=experiment, tracking_uri=tiny_run["mlflow_uri"], resources=resources,
         checkpoint_dir=str(checkpoints)))
     return job, output, checkpoints
 

@@ -33,9 +33,9 @@ def assert_same_run(log, reference):
 
 def test_interrupted_rl_run_resumes_and_matches_a_straight_run(tiny_run, tmp_path):
     first = tiny_run["results"] / "rl" / "grpo" / "seed0"
-    straight, straight_out, _ = submit_again(tiny_run, first, tmp_path / "straight", steps=STEPS,
+    # The two runs at once (independent jobs; each stage's threads are its own): the straight one is awaited below.
+    straight, straight_out, _ = submit_again(tiny_run, first, tmp_path / "straight", "tiny-straight", steps=STEPS,
                                              checkpoint_every=EVERY)
-    straight.result()
     job, output, checkpoints = submit_again(tiny_run, first, tmp_path / "interrupted", steps=STEPS,
                                             checkpoint_every=EVERY)
     deadline = time.time() + 900
@@ -45,6 +45,7 @@ def test_interrupted_rl_run_resumes_and_matches_a_straight_run(tiny_run, tmp_pat
         time.sleep(0.1)
     assert signal_job_tasks(job, signal.SIGUSR2) == 1  # what Slurm delivers before a timeout, or on preemption
     job.result()
+    straight.result()
 
     log_text = job.stdout()
     assert "interrupted (timeout or preemption); requeueing" in log_text

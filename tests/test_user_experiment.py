@@ -15,7 +15,7 @@ from mlflow.tracking import MlflowClient
 from transformers import AutoTokenizer
 
 from launcher.config import REPO_ROOT, deep_merge
-from pipeline_helpers import snakemake, write_config
+from pipeline_helpers import run_dag, write_config
 from runtime.models import build_tiny
 
 pytestmark = pytest.mark.e2e
@@ -27,6 +27,12 @@ REWARD_FILE = '''"""Did the reply say the requested word? 1 if the label is one 
 def reward_fn(prompts, completions, labels):
     return [float(label in completion.replace(".", " ").split()) for completion, label in zip(completions, labels)]
 '''
+
+
+EVALUATED = ("base", "sft", "dpo", "grpo", "ppo")
+# The GPT-2 run evaluates the base model and PPO's policy only: the Qwen2 run evaluates every model of the DAG; here
+# what is GPT-2's own is the base model's template and PPO's GPT-2 critic and LoRA (both runs train every stage).
+GPT2_EVALUATED = ("base", "ppo")
 
 
 def question(word: str, i: int) -> str:
@@ -86,21 +92,24 @@ def user_config(root: Path, model_dir: Path, files: dict, chat: bool, ppo: dict 
         sft={"lora_rank": 4, "lora_alpha": 8}, reward_model={"lora_rank": 4, "lora_alpha": 8, "lora_targets": "all-linear"},
         rl={"steps": 4, "eval_prompts": 8, "reward": files["reward"],
             "variants": {"grpo": {"estimator": "group_norm"}, "ppo": {"estimator": "gae", "reward": "model", "lora_rank": 4} | (ppo or {})}},
-        evaluate={"models": ["base", "sft", "dpo", "grpo", "ppo"], "rewards": [files["reward"], "model"]})
+        evaluate={"models": list(EVALUATED), "rewards": [files["reward"], "model"]})
     root.mkdir(parents=True, exist_ok=True)
     return write_config(root / "config.yaml", root / "results", **(settings | overrides))
 
 
-def run_user_experiment(root: Path, architecture: str, chat: bool, cluster_settings: bool = False) -> dict:
+def run_user_experiment(root: Path, architecture: str, chat: bool, cluster_settings: bool = False,
+                        evaluated: tuple = EVALUATED) -> dict:
     """`cluster_settings`: PPO with the settings of a GPU cluster run that also work on CPU (two vLLM engines, ZeRO-3
-    with the reference and reward model sharded over two ranks, micro-batched forwards, gradient checkpointing)."""
+    with the reference and reward model sharded over two ranks, micro-batched forwards, gradient checkpointing).
+    `evaluated`: the models evaluated (and rows of the report's table)."""
     files = write_user_files(root / "my_data", chat)
     model_dir = root / f"my-{architecture}"
     build_user_model(model_dir, architecture, files["texts"], chat)
     ppo = {"zero_stage": 3, "frozen_ranks": 2, "forward_micro_batch_size": 4, "gradient_checkpointing": True,
            "vllm": {"num_engines": 2}} if cluster_settings else {}
-    configfile = user_config(root, model_dir, files, chat, ppo)
-    proc = snakemake(configfile, "all")
+    configfile = user_config(root, model_dir, files, chat, ppo,
+                             evaluate={"models": list(evaluated), "rewards": [files["reward"], "model"]})
+    proc = run_dag(configfile)
     return {"root": root, "files": files, "model_dir": model_dir, "results": root / "results" / root.name, "proc": proc,
             "mlflow": MlflowClient(tracking_uri=f"sqlite:///{root / 'results' / 'mlflow.db'}")}
 
@@ -113,21 +122,23 @@ def qwen2_run(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def gpt2_run(tmp_path_factory):
-    return run_user_experiment(tmp_path_factory.mktemp("gpt2") / "user-gpt2", "gpt2", chat=False)
+    return run_user_experiment(tmp_path_factory.mktemp("gpt2") / "user-gpt2", "gpt2", chat=False,
+                               evaluated=GPT2_EVALUATED)
 
 
-@pytest.mark.parametrize("run_name, architecture", [("qwen2_run", "Qwen2"), ("gpt2_run", "GPT2")])
-def test_users_model_data_and_reward_through_the_whole_dag(request, run_name, architecture):
+@pytest.mark.parametrize("run_name, architecture, evaluated", [("qwen2_run", "Qwen2", EVALUATED),
+                                                                ("gpt2_run", "GPT2", GPT2_EVALUATED)])
+def test_users_model_data_and_reward_through_the_whole_dag(request, run_name, architecture, evaluated):
     run = request.getfixturevalue(run_name)
     results = run["results"]
     table = list(csv.DictReader((results / "report" / "results.csv").open()))
-    assert [row["method"] for row in table] == ["base", "sft", "dpo", "grpo", "ppo"]
+    assert [row["method"] for row in table] == list(evaluated)
     for row in table:  # the user's reward and the reward model's, on the user's eval prompts
         assert 0 <= float(row["reward_said_the_word_mean"]) <= 1 and row["reward_reward_model_mean"]
     report = (results / "report" / "report.md").read_text()
     assert f"Base model `{run['model_dir']}`" in report and "sft.jsonl" in report and "prompts.parquet" in report
     assert "said_the_word.py`: Did the reply say the requested word?" in report and "movie" not in report
-    samples = [json.loads(line) for line in (results / "evaluate" / "sft" / "seed0" / "samples.jsonl").open()]
+    samples = [json.loads(line) for line in (results / "evaluate" / evaluated[-1] / "seed0" / "samples.jsonl").open()]
     eval_questions = {json.loads(line)["question"] for line in Path(run["files"]["data"]["eval"]["path"]).open()}
     assert {s["input"] for s in samples} <= eval_questions
     assert {s["label"] for s in samples} <= set(WORDS)
@@ -174,7 +185,7 @@ def test_start_from_a_given_sft_model_and_reward_model(qwen2_run, tmp_path):
         reward_model={"from": str(given_rm)},
         rl={"steps": 2, "eval_prompts": 8, "reward": "model", "variants": {"grpo": {"estimator": "group_norm"}}},
         evaluate={"models": ["sft", "grpo"], "rewards": ["model"]})
-    proc = snakemake(configfile, "all")
+    proc = run_dag(configfile)
     assert f"sft: using the given model {given_sft} (not trained)" in proc.stdout + proc.stderr
     results = root / "results" / "user-given"
     sft = json.loads((results / "sft" / "metrics.json").read_text())
@@ -210,7 +221,7 @@ def test_arithmetic_task_with_a_verifiable_reward(tmp_path):
         "evaluate": {"num_prompts": 16, "max_new_tokens": 8}})
     configfile = tmp_path / "arithmetic.yaml"
     configfile.write_text(yaml.safe_dump(config))
-    snakemake(configfile, "all")
+    run_dag(configfile)
     results = tmp_path / "results" / config["experiment"]
     table = list(csv.DictReader((results / "report" / "results.csv").open()))
     assert [row["method"] for row in table] == ["base", "sft", "dpo", "grpo"]  # config/default.yaml's models
