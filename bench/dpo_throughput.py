@@ -90,7 +90,7 @@ def bench_alignpipe(model_dir: Path, pairs: list[dict], batch: int, steps: int, 
     timer = StepTimer()
     group = trainer.start_workers(dpo.DPOWorker, cfg, model_dir, steps, timer)
     pairs = dpo.with_reference(pairs[:steps * batch], cfg.loss,
-                               lambda rows: dpo.per_row(group, rows, cfg.num_workers, "reference_logps"))
+                               lambda rows: trainer.per_row(group, rows, cfg.num_workers, "reference_logps"))
     timer.start()
     log = trainer.fit(group, cfg, pairs, "alignpipe-dpo", timer)
     group.shutdown()

@@ -28,7 +28,6 @@ from runtime import data, losses, trainer
 from runtime.deepspeed_strategy import DeepSpeedWorker, Rank
 from runtime.logprobs import pad_prompt_response, pair_batch, response_logprobs
 from runtime.models import load_causal_lm, load_tokenizer
-from runtime.trainer import per_row
 
 USES_RAY = True
 
@@ -140,7 +139,7 @@ class DPOWorker(DeepSpeedWorker):
 def with_reference(rows: list[dict], loss: str, reference_logps) -> list[dict]:
     """`rows` with what `loss` needs of the reference: for KTO each prompt's mismatched response (the next row's
     chosen, fixed here so that the reference pass and every step pair the same texts), and the reference log-probs
-    `reference_logps` gives (rows -> one dict per row: the stage's `per_row` over the ranks, or one worker's
+    `reference_logps` gives (rows -> one dict per row: trainer.per_row over the ranks, or one worker's
     `reference_logps`). SimPO is reference-free: its rows stay as they are."""
     if loss == "simpo":
         return rows
@@ -150,7 +149,7 @@ def with_reference(rows: list[dict], loss: str, reference_logps) -> list[dict]:
 
 
 def held_out_metrics(group, rows: list, world_size: int) -> dict:
-    return pair_metrics(per_row(group, rows, world_size, "evaluate"))
+    return pair_metrics(trainer.per_row(group, rows, world_size, "evaluate"))
 
 
 def pair_metrics(pairs: list[tuple[float, float]]) -> dict:
@@ -165,7 +164,7 @@ def run(cfg: Config, inputs: dict, output: Path, tracker) -> None:
     total_steps = trainer.steps_for(cfg, len(train_rows), "dpo")
     group = trainer.start_workers(DPOWorker, cfg, inputs["model"], total_steps, tracker)
     # The reference pass, before fit: the policy has not been updated yet (fit may resume from a checkpoint later).
-    reference_logps = lambda rows: per_row(group, rows, cfg.num_workers, "reference_logps")
+    reference_logps = lambda rows: trainer.per_row(group, rows, cfg.num_workers, "reference_logps")
     train_rows = with_reference(train_rows, cfg.loss, reference_logps)
     eval_rows = with_reference(eval_rows, cfg.loss, reference_logps)
     # Before training the policy is its reference, so every reference-based implicit reward is exactly 0.

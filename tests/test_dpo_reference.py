@@ -82,12 +82,12 @@ def test_precomputed_reference_matches_a_per_step_reference(tiny, loss):
         cfg, worker = start(worker_cls, base, loss, steps)
         group = InProcessGroup(worker)
         if name == "precomputed":  # as the stage's run does it
-            reference_logps = lambda rows: dpo.per_row(group, rows, RANKS, "reference_logps")
+            reference_logps = lambda rows: trainer.per_row(group, rows, RANKS, "reference_logps")
         else:  # the rows as the stage pairs them (KTO's mismatched responses), without reference log-probs
             reference_logps = lambda rows: [{} for _ in rows]
         train, held_out = (dpo.with_reference(rows, loss, reference_logps) for rows in (train_rows, eval_rows))
         log = trainer.fit(group, cfg, train, "dpo", Tracker())
-        runs[name] = {"log": log, "eval": dpo.per_row(group, held_out, RANKS, "evaluate"),
+        runs[name] = {"log": log, "eval": trainer.per_row(group, held_out, RANKS, "evaluate"),
                       "share_sizes": group.share_sizes}
 
     new, old = runs["precomputed"], runs["per_step"]
