@@ -39,10 +39,10 @@ $(GPU_ENV_STAMP): envs/gpu.txt envs/gpu.lock.txt pyproject.toml
 	$(GPU_VENV)/bin/pip install --quiet --no-deps --no-build-isolation -e .
 	touch $@
 
-# The demo's config (CONFIG=config/arithmetic.yaml: the second demo, merged over the default) and its results
+# The demo's config (CONFIG=config/arithmetic.yaml: the second demo; any experiment file stands alone) and its results
 # directory (results_dir/experiment).
 CONFIG ?= config/default.yaml
-DEMO_RESULTS = $(shell sed -n 's/^results_dir: *//p' config/default.yaml)/$(shell sed -n 's/^experiment: *//p' $(CONFIG))
+DEMO_RESULTS = $(or $(shell sed -n 's/^results_dir: *//p' $(CONFIG)),results)/$(shell sed -n 's/^experiment: *//p' $(CONFIG))
 
 demo: venv
 	$(SNAKEMAKE) --profile cluster_profiles/local all --configfile $(CONFIG)

@@ -48,6 +48,7 @@ def make_pairs(model_dir: Path, count: int) -> list[dict]:
     from stages import preprocess
     from runtime.models import load_tokenizer
     cfg = stage_config(preprocess, {"seed": 0, "data": {"max_prompt_tokens": MAX_PROMPT_TOKENS,
+                                                          "preference": {"path": "builtin:imdb"},
                                                           "long_responses": "truncate",
                                                           "max_response_tokens": MAX_RESPONSE_TOKENS}}, "data")
     formatter = preprocess.Formatter(cfg, load_tokenizer(model_dir))

@@ -49,6 +49,7 @@ def prompts(model_dir: Path, count: int) -> list[dict]:
     from stages import preprocess
     from runtime.models import load_tokenizer
     cfg = stage_config(preprocess, {"seed": 0, "data": {"max_prompt_tokens": MAX_PROMPT_TOKENS,
+                                                          "prompts": {"path": "builtin:imdb"},
                                                           "max_response_tokens": NEW_TOKENS}}, "data")
     formatter = preprocess.Formatter(cfg, load_tokenizer(model_dir))
     raw = preprocess.read_rows("prompts", cfg.prompts | {"max_samples": 2 * count}, cfg, formatter)

@@ -9,7 +9,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from launcher.config import ConfigError, results_root, stage_jobs
+from launcher.config import ConfigError, check_dag_data, results_root, stage_jobs, trained_stages
 from launcher.memory import check_memory
 from launcher.resources import FOREIGN_RESOURCES, RESOURCE_KEYS, check_stages
 from runtime.builtin_data import review_pool_sizes
@@ -23,6 +23,7 @@ def check_before_queueing(config: dict, source: str, resource_settings) -> str |
     """Every check a validated config gets before the DAG runs; ConfigError or DataError naming the key. What
     check_datasets remembers (its cache) is written only once every check has passed. Returns the memory plan of
     the GPU jobs as a table (launcher/memory.py), None without GPU jobs."""
+    check_dag_data(config, source)
     problems = check_stages(stage_jobs(config), config["launcher"],
                             lambda rule: profile_resources(resource_settings, rule))
     if problems:
@@ -119,7 +120,7 @@ def check_batches(config: dict, source: str) -> None:
     checks = []  # (key, batch, role, what the batch counts)
     for stage, role, what in (("sft", "sft", "training rows"), ("reward_model", "preference", "training pairs"),
                               ("dpo", "preference", "training pairs")):
-        if not config[stage].get("from"):  # a given model is not trained
+        if stage in trained_stages(config):  # (not a given model, nor a stage the DAG does not hold)
             checks.append((f"{stage}.batch_size", config[stage]["batch_size"], role, what))
     variants = config["rl"]["variants"]
     inheriting = [name for name in variants if "rollout_batch_size" not in variants[name]]

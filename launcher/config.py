@@ -1,9 +1,9 @@
-"""Experiment config: validation against workflow/schemas/config.schema.yaml, defaults, and the config hash.
+"""Experiment config: validation against workflow/schemas/config.schema.yaml, defaults, what the DAG holds (dag_stages)
+and the params each of its jobs gets (stage_jobs).
 
 Imported by the Snakefile, so it must stay light (no torch, no ray).
 """
 import copy
-import hashlib
 import json
 import math
 from pathlib import Path
@@ -13,7 +13,7 @@ import yaml
 
 from runtime.models import LINEAR_LAYERS
 from runtime.rewards import RewardFileError, load_reward_fn
-from runtime.tracking import TrackingURIError, check_tracking_uri
+from runtime.tracking import TrackingURIError, check_tracking_uri, config_hash
 from runtime.user_data import is_hub, repo_path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -51,8 +51,23 @@ def _fill_defaults(schema: dict, instance: dict) -> None:
     for key, sub in schema.get("properties", {}).items():
         if key not in instance and "default" in sub:
             instance[key] = copy.deepcopy(sub["default"])
-        if isinstance(instance.get(key), dict) and sub.get("type") == "object":
+        if isinstance(instance.get(key), dict) and "object" in _types(sub):
             _fill_defaults(sub, instance[key])
+
+
+def _unshared(value):
+    """A copy that shares no mapping or list (copy.deepcopy keeps a YAML anchor's aliases shared: two datasets written
+    as one anchor would get their defaults filled into one mapping)."""
+    if isinstance(value, dict):
+        return {k: _unshared(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_unshared(v) for v in value]
+    return copy.deepcopy(value)
+
+
+def _types(schema: dict) -> list:
+    kind = schema.get("type", [])
+    return kind if isinstance(kind, list) else [kind]
 
 
 def _subschema(schema: dict, path) -> dict:
@@ -85,7 +100,7 @@ def _describe(error: jsonschema.ValidationError, schema: dict, source: str) -> s
 def validate_config(raw: dict | None, source: str = "config") -> dict:
     """Return the config with defaults filled in, or raise ConfigError naming `source` and the bad key."""
     schema = load_schema()
-    config = copy.deepcopy(raw or {})
+    config = _unshared(raw or {})
     problems = [f"{source}: {key} = {value!r} is not a finite number" for key, value in non_finite_numbers(config)]
     validator = Validator(schema)
     errors = sorted(validator.iter_errors(config), key=lambda e: list(map(str, e.absolute_path)))
@@ -95,8 +110,69 @@ def validate_config(raw: dict | None, source: str = "config") -> dict:
     problems += [_describe(e, schema, source) for e in errors]
     if problems:
         raise ConfigError("invalid experiment config\n" + "\n".join("  " + p for p in problems))
+    resolve_evaluation(config)
     check_consistency(config, source)
     return config
+
+
+# ---- what the DAG holds: the rules are stated once, in the schema's header ---------------------------------------
+
+def dag_stages(config: dict) -> dict:
+    """The stages an experiment's DAG holds, from its validated config: sft, reward_model and dpo (each True or
+    False), the rl `variants`, and the `datasets` preprocess writes (sft, pairs, prompts: one job each, so that adding
+    a dataset reruns only what reads it). base_model, evaluate and report are always there."""
+    data, variants = config["data"], list(config["rl"]["variants"])
+    scorers = [rl_variant(config, name)["reward"] for name in variants] + list(config["evaluate"]["rewards"] or [])
+    reward_model, dpo = "model" in scorers, config["dpo"] is not None
+    pairs = data["preference"]["path"] is not None and (dpo or reward_model)
+    return {"sft": bool(data["sft"]["path"] or config["sft"]["from"]), "reward_model": reward_model, "dpo": dpo,
+            "variants": variants,
+            "datasets": [name for name, used in (("sft", data["sft"]["path"] is not None), ("pairs", pairs),
+                                                 ("prompts", True)) if used]}
+
+
+def dag_models(config: dict) -> list[str]:
+    """Every model the DAG makes, in the results table's order: base, sft, dpo and the rl variants present."""
+    stages = dag_stages(config)
+    return ["base", *["sft"] * stages["sft"], *["dpo"] * stages["dpo"], *stages["variants"]]
+
+
+def resolve_evaluation(config: dict) -> None:
+    """evaluate.rewards null: the rl variants' rewards (each once, in order; none without RL); evaluate.models null:
+    every model the DAG makes."""
+    evaluate = config["evaluate"]
+    if evaluate["rewards"] is None:
+        rewards = [rl_variant(config, name)["reward"] for name in config["rl"]["variants"]]
+        evaluate["rewards"] = list(dict.fromkeys(rewards))
+    if evaluate["models"] is None:
+        evaluate["models"] = dag_models(config)
+
+
+def check_dag_data(config: dict, source: str) -> None:
+    """Each dataset a stage of the DAG reads is given; what is not in the DAG needs nothing. (At parse time, with the
+    other checks of a whole experiment: launcher/checks.py. A config for one stage built on its own, as tests and
+    benches build them, needs no datasets.)"""
+    stages, data = dag_stages(config), config["data"]
+    uses = [f"rl.variants.{name}.reward" for name in stages["variants"] if rl_variant(config, name)["reward"] == "model"]
+    uses += ["evaluate.rewards"] * ("model" in config["evaluate"]["rewards"])
+    needs = []  # (the dataset, the stage that reads it)
+    if stages["dpo"]:
+        needs.append(("preference", "dpo (the `dpo` block is present; remove it or set dpo: null for no DPO)"))
+    if stages["reward_model"]:  # trained on the pairs, or given and measured on them (RL normalises by its scores)
+        needs.append(("preference", f"the reward model ({' and '.join(uses)} score with `model`), trained on the pairs "
+                                    "or, given by reward_model.from, measured on them"))
+    if stages["variants"]:
+        needs.append(("prompts", f"rl (rl.variants: {', '.join(stages['variants'])})"))
+    problems = [f"{source}: data.{role}.path is not set, but {stage} needs it" for role, stage in needs
+                if data[role]["path"] is None]
+    if data["eval"]["path"] is None and data["prompts"]["path"] is None:
+        problems.append(f"{source}: the evaluation needs prompts: set data.eval.path (or data.prompts.path, whose "
+                        "held-out share is then evaluated)")
+    if config["reward_model"]["from"] and not stages["reward_model"]:
+        problems.append(f"{source}: reward_model.from is given but nothing scores with `model` (an rl variant's "
+                        "reward or evaluate.rewards); remove it or use it")
+    if problems:
+        raise ConfigError("the experiment's stages need data it does not give\n" + "\n".join("  " + p for p in problems))
 
 
 def check_consistency(config: dict, source: str) -> None:
@@ -106,7 +182,7 @@ def check_consistency(config: dict, source: str) -> None:
     except TrackingURIError as err:
         raise ConfigError(str(err)) from None
     architecture = check_models(config, source)
-    trainers = {stage: config[stage] for stage in ("sft", "reward_model", "dpo")}
+    trainers = {stage: config[stage] for stage in trained_stages(config)}
     trainers |= {f"rl.variants.{name}": rl_variant(config, name) for name in config["rl"]["variants"]}
     for where, trainer in trainers.items():
         per_step = trainer["micro_batch_size"] * trainer["num_workers"]
@@ -130,11 +206,12 @@ def check_consistency(config: dict, source: str) -> None:
     for i, reward in enumerate(config["evaluate"]["rewards"]):
         if reward != "model":
             check_reward_file(reward, f"{source}: evaluate.rewards.{i}")
-    models = ["base", "sft", "dpo", *config["rl"]["variants"]]
+    models = dag_models(config)
     for i, model in enumerate(config["evaluate"]["models"]):
         if model not in models:
-            raise ConfigError(f"{source}: evaluate.models.{i} = {model!r} is not a model of this experiment; "
-                              f"valid: {models}")
+            raise ConfigError(f"{source}: evaluate.models.{i} = {model!r} is not a model this experiment's DAG makes; "
+                              f"valid: {models} (sft needs data.sft.path or sft.from, dpo the `dpo` block, an rl "
+                              "variant its entry in rl.variants)")
     tiny = config["model"]["tiny"]
     if tiny["hidden_size"] % tiny["num_heads"] or tiny["hidden_size"] // tiny["num_heads"] < 32:
         raise ConfigError(f"{source}: model.tiny.hidden_size / model.tiny.num_heads must be a whole number >= 32, "
@@ -216,8 +293,22 @@ def method_seeds(config: dict) -> list[int]:
 
 
 def seeded_models(config: dict) -> list[str]:
-    """The models trained once per seed (the methods); base and sft are shared and have one run."""
-    return ["dpo", *config["rl"]["variants"]]
+    """The models trained once per seed (the methods present); base and sft are shared and have one run."""
+    return ["dpo"] * (config["dpo"] is not None) + list(config["rl"]["variants"])
+
+
+def trained_stages(config: dict) -> list[str]:
+    """The stages of the DAG among sft, reward_model and dpo that train (not given by `<stage>.from`)."""
+    stages = dag_stages(config)
+    return [stage for stage in ("sft", "reward_model", "dpo") if stages[stage] and not config[stage].get("from")]
+
+
+def preprocess_params(config: dict, dataset: str) -> dict:
+    """What preprocess reads to write one dataset (its cache key): the formatting keys of `data` and the dataset's
+    own blocks (prompts: data.prompts and data.eval, whose held-out share or rows it writes)."""
+    roles = {"sft": ("sft",), "pairs": ("preference",), "prompts": ("prompts", "eval")}[dataset]
+    data = {k: v for k, v in config["data"].items() if k not in ("sft", "preference", "prompts", "eval") or k in roles}
+    return {"data": data, "dataset": dataset, "seed": config["seed"]}
 
 
 def rl_variant(config: dict, name: str) -> dict:
@@ -228,12 +319,14 @@ def rl_variant(config: dict, name: str) -> dict:
 def stage_jobs(config: dict):
     """(stage, run name, params) of every job the DAG runs, params as its rule hands them to the launcher (the
     "config" of the rule's stage_key, workflow/rules/*.smk): what the launcher's checks see, before any job exists."""
-    seed, seeds = config["seed"], method_seeds(config)
+    seed, seeds, stages = config["seed"], method_seeds(config), dag_stages(config)
     yield "base_model", "base_model", {"model": config["model"], "seed": seed}
-    yield "preprocess", "preprocess", {"data": config["data"], "seed": seed}
-    yield "sft", "sft", {"sft": config["sft"], "seed": seed}
-    yield "reward_model", "reward_model", {"reward_model": config["reward_model"], "seed": seed}
-    for s in seeds:
+    for dataset in stages["datasets"]:
+        yield "preprocess", f"preprocess/{dataset}", preprocess_params(config, dataset)
+    for stage in ("sft", "reward_model"):
+        if stages[stage]:
+            yield stage, stage, {stage: config[stage], "seed": seed}
+    for s in seeds if stages["dpo"] else []:
         yield "dpo", f"dpo/seed{s}", {"dpo": config["dpo"], "seed": s}
     for name in config["rl"]["variants"]:
         for s in seeds:
@@ -241,22 +334,66 @@ def stage_jobs(config: dict):
     seeded = seeded_models(config)
     for model in config["evaluate"]["models"]:
         for s in (seeds if model in seeded else [seed]):
-            yield "evaluate", f"evaluate/{model}/seed{s}", {"evaluate": config["evaluate"], "model": model, "seed": s}
-    yield "report", "report", {k: config[k] for k in ("evaluate", "model", "data")} | {
+            yield "evaluate", f"evaluate/{model}/seed{s}", {"evaluate": evaluate_params(config), "model": model,
+                                                              "seed": s}
+    yield "report", "report", report_params(config)
+
+
+def evaluate_params(config: dict) -> dict:
+    """The evaluate block as one evaluation reads it: without `models` (each job's own model is its wildcard), so that
+    adding a model to the table reruns no other model's evaluation."""
+    return {k: v for k, v in config["evaluate"].items() if k != "models"}
+
+
+def report_params(config: dict) -> dict:
+    """What the report shows and describes: evaluate, model, data, the stages the DAG holds and each rl variant's
+    merged settings."""
+    stages = dag_stages(config)
+    return {k: config[k] for k in ("evaluate", "model", "data")} | {
+        "stages": {k: stages[k] for k in ("sft", "reward_model", "dpo")},
+        "given": {stage: config[stage]["from"] for stage in ("sft", "reward_model")},
         "variants": {name: rl_variant(config, name) for name in config["rl"]["variants"]}}
+
+
+class DuplicateKey(yaml.YAMLError):
+    pass
+
+
+class UniqueKeyLoader(yaml.SafeLoader):
+    """YAML that refuses a key written twice in one mapping (PyYAML, and so Snakemake, silently keep the last)."""
+
+    def construct_mapping(self, node, deep=False):
+        lines: dict = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=deep)
+            line = key_node.start_mark.line + 1
+            if key in lines:
+                raise DuplicateKey(f"line {line}: key {key!r} is written twice in one mapping (first on line "
+                                   f"{lines[key]}); write it once")
+            lines[key] = line
+        return super().construct_mapping(node, deep)
+
+
+def read_config_file(path) -> dict:
+    """One experiment file as a mapping; ConfigError naming the file (and line) if it is not one."""
+    try:
+        data = yaml.load(Path(path).read_text(), Loader=UniqueKeyLoader) or {}
+    except DuplicateKey as err:
+        raise ConfigError(f"{path}: {err}") from None
+    except yaml.YAMLError as err:
+        raise ConfigError(f"{path}: not valid YAML: {err}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of keys, got {type(data).__name__}")
+    return data
 
 
 def load_config_files(paths, overrides: dict | None = None) -> dict:
     """Merge YAML files (later wins, like Snakemake's --configfile) and validate the result."""
     merged: dict = {}
     for path in paths:
-        try:
-            data = yaml.safe_load(Path(path).read_text()) or {}
-        except yaml.YAMLError as err:
-            raise ConfigError(f"{path}: not valid YAML: {err}") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"{path}: the top level must be a mapping of keys, got {type(data).__name__}")
-        merged = deep_merge(merged, data)
+        merged = deep_merge(merged, read_config_file(path))
     return validate_config(deep_merge(merged, overrides or {}), source=", ".join(map(str, paths)) or "config")
 
 
@@ -265,8 +402,12 @@ def stage_config(module, overrides: dict, block: str | None = None, variant: str
     validated and filled with the schema's defaults, then the params its rule gives the job (the stage's config
     block, `block`, by default the stage's name; for `rl` the variant's merged settings and its name; the seed).
     So a key added to a stage reaches every caller with its default."""
-    config = validate_config(overrides, source="overrides")
     block = block or module.__name__.rsplit(".", 1)[-1]
+    if block == "dpo":  # a stage built on its own runs whether or not an experiment would hold it
+        overrides = {"dpo": {}} | overrides
+    if block == "rl":
+        overrides = deep_merge({"rl": {"variants": {variant: {}}}}, overrides)
+    config = validate_config(overrides, source="overrides")
     if block == "rl":
         params = {"rl": rl_variant(config, variant), "variant": variant, "seed": config["seed"]}
     else:
@@ -285,7 +426,3 @@ def results_root(config: dict) -> Path:
     """The results directory (`results_dir`, relative to the repository root unless absolute)."""
     root = Path(config["results_dir"])
     return (root if root.is_absolute() else REPO_ROOT / root).resolve()
-
-
-def config_hash(obj) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]

@@ -17,7 +17,7 @@ def eval_columns(reward_names: list[str]) -> list[tuple]:
 
 
 RL_COLUMNS = [
-    ("eval_reward_before", "held-out RL reward of SFT", "{:.3f}"),
+    ("eval_reward_before", "held-out RL reward at the start", "{:.3f}"),
     ("eval_reward", "held-out RL reward ↑", "{:.3f}"),
     ("final_kl", "KL to SFT (last step)", "{:.3f}"),
 ]

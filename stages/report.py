@@ -28,18 +28,20 @@ TEMPLATE = repo_path("reports/report_template.md")
 
 @dataclasses.dataclass
 class Config:
-    """What the report shows (evaluate.models, evaluate.rewards) and what its prose describes (model, data, and
-    each rl variant's settings, merged over the rl block by the rule)."""
+    """What the report shows (evaluate.models, evaluate.rewards) and what its prose describes (model, data, the
+    stages the DAG holds and the given models, each rl variant's settings merged over the rl block by the rule)."""
     models: list
     rewards: list
     model: dict
     data: dict
+    stages: dict  # sft, reward_model, dpo: in the DAG or not (launcher/config.dag_stages)
+    given: dict  # sft, reward_model: the `from` directory, or None
     variants: dict
 
     @classmethod
     def from_params(cls, params: dict) -> "Config":
         return cls(models=params["evaluate"]["models"], rewards=params["evaluate"]["rewards"], model=params["model"],
-                   data=params["data"], variants=params["variants"])
+                   data=params["data"], stages=params["stages"], given=params["given"], variants=params["variants"])
 
 
 def describe_reward(reward: str) -> str:
@@ -50,19 +52,35 @@ def describe_reward(reward: str) -> str:
     return f"`{reward}`" + (f": {doc.splitlines()[0]}" if doc else "")
 
 
-def describe_experiment(cfg: Config, sft: dict, reward_model: dict) -> str:
-    """The experiment in a few sentences, from its config and from which models were trained or given."""
+def describe_experiment(cfg: Config) -> str:
+    """The experiment in a few sentences, from its config: each stage trained, given or absent."""
     data = cfg.data
-    base = cfg.model["path"] or cfg.model["source"]
-    origin = lambda run, trained: f"given (`{run['given']}`, not trained)" if run["given"] else trained
+    sft_data, pairs, prompts = (f"`{data[role]['path']}`" for role in ("sft", "preference", "prompts"))
+
+    def stage(name: str, trained: str, absent: str) -> str:
+        if cfg.given.get(name) and cfg.stages[name]:
+            return f"given (`{cfg.given[name]}`, not trained)"
+        return trained if cfg.stages[name] else absent
+
     variants = ", ".join(f"{name} ({settings['estimator']}, reward {settings['reward']})"
                          for name, settings in cfg.variants.items())
-    sft_data, pairs, prompts = data["sft"]["path"], data["preference"]["path"], data["prompts"]["path"]
     template = "go through the model's chat template" if data["apply_chat_template"] \
         else f"follow the template {data['input_template']!r}"
-    return (f"Base model `{base}`. SFT model: {origin(sft, f'trained on `{sft_data}`')}. Reward model: "
-            f"{origin(reward_model, f'trained on the pairs of `{pairs}`')}. DPO on the same pairs; RL on the prompts "
-            f"of `{prompts}`: {variants}. Prompts {template}.")
+    return (f"Base model `{cfg.model['path'] or cfg.model['source']}`. "
+            f"SFT model: {stage('sft', f'trained on {sft_data}', 'none (no SFT dataset): the methods start from the base model')}. "
+            f"Reward model: {stage('reward_model', f'trained on the pairs of {pairs}', 'none (nothing scores with it)')}. "
+            f"DPO: {f'on the pairs of {pairs}' if cfg.stages['dpo'] else 'none'}. "
+            f"RL: {f'on the prompts of {prompts}: {variants}' if cfg.variants else 'none'}. Prompts {template}.")
+
+
+def describe_stages(cfg: Config) -> str:
+    """Which stages the DAG held, which were given and which were absent."""
+    held = ["base_model", "preprocess"] + [s for s in ("sft", "reward_model", "dpo") if cfg.stages[s]] + \
+        (["rl (" + ", ".join(cfg.variants) + ")"] if cfg.variants else []) + ["evaluate", "report"]
+    absent = [s for s in ("sft", "reward_model", "dpo") if not cfg.stages[s]] + ([] if cfg.variants else ["rl"])
+    given = [f"{s} (`{cfg.given[s]}`)" for s in ("sft", "reward_model") if cfg.given.get(s) and cfg.stages[s]]
+    return (f"Stages: {', '.join(held)}" + (f"; given, not trained: {', '.join(given)}" if given else "")
+            + (f"; not in this experiment: {', '.join(absent)}" if absent else "") + ".")
 
 
 def tracked_run(client, stage_dir: Path, histories: tuple[str, ...] = ()) -> dict:
@@ -88,60 +106,87 @@ def run(cfg: Config, inputs: dict, output: Path, tracker) -> None:
     client = tracker.client
     evaluations = [tracked_run(client, d) for d in inputs["evaluations"]]
     rl_runs = [tracked_run(client, d, ("reward_mean", "kl", "policy_loss")) for d in inputs["rl"]]
-    trained = [tracked_run(client, d, ("loss",)) for d in [inputs["sft"], inputs["reward_model"], *inputs["dpo"]]]
-    reward_model = next(r for r in trained if r["method"] == "reward_model")
+    trained = [tracked_run(client, d, ("loss",)) for d in [*inputs["sft"], *inputs["reward_model"], *inputs["dpo"]]]
+    reward_model = next((r for r in trained if r["method"] == "reward_model"), None)
+    tracker.set_tags({"alignpipe.dag": json.dumps({"stages": cfg.stages, "given": cfg.given,
+                                                   "variants": list(cfg.variants)}, sort_keys=True)})
     sources = {}
 
-    eval_columns = tables.eval_columns([reward_name(r) for r in cfg.rewards])
+    eval_columns = [c for c in tables.eval_columns([reward_name(r) for r in cfg.rewards])
+                    if all(c[0] in r["metrics"] for r in evaluations)]  # (no perplexity without SFT data)
     eval_rows = tables.summarise(evaluations, [key for key, _, _ in eval_columns])
     rl_rows = tables.summarise(rl_runs, [key for key, _, _ in tables.RL_COLUMNS])
     for name, rows, columns, runs, caption in (
             ("results", eval_rows, eval_columns, evaluations,
              "Held-out evaluation; mean $\\pm$ std over seeds where a method ran with several."),
             ("rl", rl_rows, tables.RL_COLUMNS, rl_runs, "RL runs; mean $\\pm$ std over seeds.")):
+        if not runs:
+            continue
         source = provenance(runs)
         (output / f"{name}.md").write_text(tables.markdown(rows, columns) + "\n\n" + tables.source_line(source) + "\n")
         (output / f"{name}.tex").write_text(tables.latex(rows, columns, caption, f"tab:{name}", source))
         (output / f"{name}.csv").write_text(tables.csv_text(rows, columns, source))
         sources |= {f"{name}.{ext}": source for ext in ("md", "tex", "csv")}
 
+    figures_drawn = []
     for name, draw, runs in (("reward_vs_step", figures.reward_vs_step, rl_runs),
                              ("kl_reward_frontier", functools.partial(figures.kl_reward_frontier,
-                                                                      reward=reward_name(cfg.rewards[0])), evaluations),
+                                                                      reward=reward_name(cfg.rewards[0])),
+                              evaluations if cfg.rewards else []),
                              ("training_curves", figures.training_curves, trained + rl_runs)):
+        if not runs:
+            continue
         source = provenance(runs)
         draw(runs, [output / f"{name}.png", output / f"{name}.pdf"], metadata=json.dumps(source))
         sources |= {f"{name}.{ext}": source for ext in ("png", "pdf")}
+        figures_drawn.append(name)
 
     last = evaluations[-1]
     with tempfile.TemporaryDirectory() as tmp:
         samples_path = client.download_artifacts(last["run_id"], "samples.jsonl", tmp)
         samples = [json.loads(line) for line in Path(samples_path).read_text().splitlines()][:4]
-    sft = next(r for r in trained if r["method"] == "sft")
-    rm = reward_model["metrics"]
+    sections = ""
+    if reward_model:
+        rm, given = reward_model["metrics"], reward_model["given"]
+        sections += "\n## Reward model\n\n" + (
+            f"Held-out pairwise accuracy **{rm['eval_accuracy']:.3f}** on {int(rm['eval_pairs'])} pairs (chance is 0.5; "
+            f"{rm['eval_accuracy_before']:.3f} before training); its rewards have mean {rm['reward_mean']:.3f} and "
+            f"std {rm['reward_std']:.3f}." if not given else
+            f"Given (`{given}`): held-out pairwise accuracy **{rm['eval_accuracy']:.3f}** on {int(rm['eval_pairs'])} "
+            f"pairs; rewards mean {rm['reward_mean']:.3f}, std {rm['reward_std']:.3f}.") + "\n"
+        tracker.log_metrics({"reward_model_accuracy": rm["eval_accuracy"]})
+    if rl_runs:
+        start = "SFT policy" if cfg.stages["sft"] else "base model"
+        sections += (f"\n## RL\n\nThe RL reward ({', '.join(sorted({describe_reward(v['reward']) for v in cfg.variants.values()}))}) "
+                     f"on held-out prompts, for the {start} each run starts from and for the trained policy.\n\n"
+                     + tables.markdown(rl_rows, tables.RL_COLUMNS) + "\n")
+    if figures_drawn:
+        titles = {"reward_vs_step": "reward against RL step", "kl_reward_frontier": "reward against KL to the base model",
+                  "training_curves": "training curves"}
+        sections += "\n" + "\n".join(f"![{titles[name]}]({name}.png)" for name in figures_drawn) + "\n"
     text = TEMPLATE.read_text().format(
         experiment=output.parent.name,  # results/<experiment>/report
-        description=describe_experiment(cfg, sft, reward_model),
+        description=describe_experiment(cfg),
+        stages=describe_stages(cfg),
         num_prompts=int(evaluations[0]["metrics"]["num_prompts"]),
         eval_source=f"`{cfg.data['eval']['path']}`" if cfg.data["eval"]["path"]
         else f"the prompts held out of `{cfg.data['prompts']['path']}`",
-        reward_list="\n".join(f"- {reward_name(r)}: {describe_reward(r)}" for r in cfg.rewards),
+        reward_list="Rewards (a column each; the first is the figures'):\n" + "\n".join(
+            f"- {reward_name(r)}: {describe_reward(r)}" for r in cfg.rewards) if cfg.rewards else "No rewards "
+        "(evaluate.rewards is empty).",
+        perplexity="perplexity is on the held-out SFT responses." if any(c[0] == "perplexity" for c in eval_columns)
+        else "no perplexity (the experiment has no SFT dataset).",
         table=tables.markdown(eval_rows, eval_columns),
-        reward_model=f"Held-out pairwise accuracy **{rm['eval_accuracy']:.3f}** on {int(rm['eval_pairs'])} pairs "
-                     f"(chance is 0.5; {rm['eval_accuracy_before']:.3f} before training); its rewards have mean "
-                     f"{rm['reward_mean']:.3f} and std {rm['reward_std']:.3f}." if not reward_model["given"] else
-                     f"Given (`{reward_model['given']}`): held-out pairwise accuracy **{rm['eval_accuracy']:.3f}** on "
-                     f"{int(rm['eval_pairs'])} pairs; rewards mean {rm['reward_mean']:.3f}, std {rm['reward_std']:.3f}.",
-        rl_rewards=", ".join(sorted({describe_reward(v["reward"]) for v in cfg.variants.values()})),
-        rl_table=tables.markdown(rl_rows, tables.RL_COLUMNS),
+        sections=sections,
+        rl_files=", `rl.*`" if rl_runs else "",
         sample_model=last["run_name"].removeprefix("evaluate/"),
-        samples="\n".join(f"- *{s['input']}* → {s['completion'].strip()!r} (reward {s['reward']:.2f})" for s in samples),
+        samples="\n".join(f"- *{s['input']}* → {s['completion'].strip()!r}"
+                          + (f" (reward {s['reward']:.2f})" if s["reward"] is not None else "") for s in samples),
         source=tables.source_line(provenance(evaluations + rl_runs + trained)),
     )
     (output / "report.md").write_text(text)
     (output / "provenance.json").write_text(json.dumps(sources, indent=2))
     for path in sorted(output.iterdir()):
         tracker.log_artifact(path)
-    tracker.log_metrics({"reward_model_accuracy": reward_model["metrics"]["eval_accuracy"]})
     print(f"[report] {output / 'report.md'}", flush=True)
     print(tables.markdown(eval_rows, eval_columns), flush=True)

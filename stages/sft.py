@@ -75,20 +75,22 @@ def held_out_loss(group, rows: list, world_size: int) -> float:
 
 
 def run(cfg: Config, inputs: dict, output: Path, tracker) -> None:
-    train_rows = data.read_jsonl(inputs["data"] / "sft_train.jsonl")
-    eval_rows = data.read_jsonl(inputs["data"] / "sft_eval.jsonl")
-    if cfg.given:
+    if cfg.given:  # measured on the held-out SFT rows where the experiment has an SFT dataset
         link_given_model(inputs["given"], inputs["model"], output)
         tracker.set_tags({"alignpipe.given_model": str(inputs["given"])})
-        group = trainer.start_workers(SFTWorker, cfg, output, 0, tracker)
-        eval_loss = held_out_loss(group, eval_rows, cfg.num_workers)
-        group.shutdown()
-        summary = {"given": str(inputs["given"]), "steps": 0, "eval_loss_before": eval_loss,
-                   "eval_loss_after": eval_loss}
+        summary = {"given": str(inputs["given"]), "steps": 0}
+        if "data" in inputs:
+            group = trainer.start_workers(SFTWorker, cfg, output, 0, tracker)
+            eval_loss = held_out_loss(group, data.read_jsonl(inputs["data"] / "sft_eval.jsonl"), cfg.num_workers)
+            group.shutdown()
+            summary |= {"eval_loss_before": eval_loss, "eval_loss_after": eval_loss}
+            tracker.log_metrics({"eval_loss": eval_loss})
         (output / "metrics.json").write_text(json.dumps(summary, indent=2))
-        tracker.log_metrics({"eval_loss": eval_loss})
-        print(f"[sft] given model {inputs['given']} (not trained): held-out loss {eval_loss:.4f}", flush=True)
+        print(f"[sft] given model {inputs['given']} (not trained)"
+              + (f": held-out loss {summary['eval_loss_after']:.4f}" if "data" in inputs else ""), flush=True)
         return
+    train_rows = data.read_jsonl(inputs["data"] / "sft_train.jsonl")
+    eval_rows = data.read_jsonl(inputs["data"] / "sft_eval.jsonl")
     total_steps = trainer.steps_for(cfg, len(train_rows), "sft")
     group = trainer.start_workers(SFTWorker, cfg, inputs["model"], total_steps, tracker)
     eval_before = held_out_loss(group, eval_rows, cfg.num_workers)

@@ -42,9 +42,9 @@ def planned_jobs(dry_run_stdout: str) -> dict[str, int]:
     return {m.group(1): int(m.group(2)) for m in re.finditer(r"^(\w+)\s+(\d+)$", table, re.M) if m.group(1) != "total"}
 
 
-def planned_outputs(dry_run_stdout: str) -> set[str]:
+def planned_outputs(dry_run_stdout: str, experiment: str = "tiny") -> set[str]:
     """The output paths of the jobs a dry run plans, relative to the experiment's results."""
-    return {m.group(1).split("/results/tiny/")[-1] for m in re.finditer(r"^\s+output: (\S+)$", dry_run_stdout, re.M)}
+    return {m.group(1).split(f"/{experiment}/")[-1] for m in re.finditer(r"^\s+output: (\S+)$", dry_run_stdout, re.M)}
 
 
 def dry_run_with_edited_code(configfile: Path, copy_dir: Path, edits: dict[str, tuple[str, str]]) -> str:

@@ -1,20 +1,25 @@
 """Every check before queueing (issue #17): a bad input stops `snakemake --dry-run` at parse time, in seconds, naming
 the key and where it came from, and nothing is written under results_dir. One test per class of bad input:
 non-finite numbers, a float where an integer is meant, the launcher's resource checks of stages other than
-base_model (config and profile resources), control characters in sbatch_extra, reward files, and batches that the
-data cannot fill (rl rollout_batch_size, sft batch_size, dpo batch_size)."""
+base_model (config and profile resources), control characters in sbatch_extra, reward files, batches that the
+data cannot fill (rl rollout_batch_size, sft batch_size, dpo batch_size), a key written twice in a config file and
+a stage whose dataset is not given. And what the DAG holds (issue #23): an experiment file stands on its own (a file
+with only a ppo variant plans no grpo), and without --configfile the demo (config/default.yaml) is planned."""
 import json
 import random
+import re
+import subprocess
 import time
 
 import pytest
+import yaml
 
 from launcher.checks import check_batches
-from launcher.config import REPO_ROOT, ConfigError, load_config_files, stage_jobs, validate_config
+from launcher.config import REPO_ROOT, ConfigError, check_dag_data, load_config_files, stage_jobs, validate_config
 from runtime.builtin_data import review_pool_sizes
 from runtime.user_data import count_rows
 from launcher.resources import LaunchConfigError, check_stages, stage_resources
-from pipeline_helpers import snakemake, write_config
+from pipeline_helpers import SNAKEMAKE, planned_jobs, planned_outputs, snakemake, write_config
 
 LIMIT_S = 10
 
@@ -23,7 +28,11 @@ def refused(tmp_path, *args: str, **overrides) -> str:
     """Dry-run the tiny config with `overrides` (merged one level deep) as a user would; assert that it fails
     within LIMIT_S seconds and writes nothing under results_dir. Returns stdout + stderr."""
     results = tmp_path / "results"
-    configfile = write_config(tmp_path / "bad.yaml", results, **overrides)
+    return refused_file(write_config(tmp_path / "bad.yaml", results, **overrides), results, *args)
+
+
+def refused_file(configfile, results, *args: str) -> str:
+    """refused() for a config file of one's own, its results under `results`."""
     start = time.monotonic()
     proc = snakemake(configfile, "all", "--dry-run", "--config", f"results_dir={results}", *args, check=False)
     elapsed = time.monotonic() - start
@@ -128,15 +137,74 @@ def test_dpo_batch_over_the_pairs_is_refused(tmp_path):
         output[-3000:]
 
 
+def test_a_key_written_twice_is_refused_with_its_file_and_line(tmp_path):
+    """Snakemake's YAML keeps the last of a key written twice; the workflow reads each --configfile again and refuses
+    it, naming the file and both lines (load_config_files alike: tests/test_config.py)."""
+    results = tmp_path / "results"
+    configfile = write_config(tmp_path / "twice.yaml", results)
+    lines = configfile.read_text().splitlines()
+    first = lines.index("experiment: tiny") + 1
+    configfile.write_text("\n".join(lines + ["experiment: tiny-again"]) + "\n")
+    output = refused_file(configfile, results)
+    message = (f"{configfile}: line {len(lines) + 1}: key 'experiment' is written twice in one mapping (first on line "
+               f"{first}); write it once")
+    assert message in output, output[-3000:]
+
+
+def test_a_stage_without_its_dataset_is_refused(tmp_path):
+    """check_dag_data, first of the checks before queueing: tiny without prompts, which its rl variants read."""
+    output = refused(tmp_path, data={"prompts": {"path": None}})
+    assert "the experiment's stages need data it does not give" in output, output[-3000:]
+    assert "bad.yaml + --config: data.prompts.path is not set, but rl (rl.variants: grpo, ppo) needs it" in output
+
+
+# ---- what the DAG holds ----------------------------------------------------------------------------------------
+
+def test_a_file_with_only_a_ppo_variant_plans_only_ppo(tmp_path):
+    """A file stands on its own: no grpo comes from the demo (Snakemake would merge rl.variants over its), no SFT
+    or DPO since the file asks for neither; the reward model is there because ppo's reward is `model`."""
+    results = tmp_path / "results"
+    configfile = tmp_path / "ppo.yaml"
+    configfile.write_text(yaml.safe_dump({
+        "experiment": "ppo-only", "model": {"source": "tiny"},
+        "data": {"preference": {"path": "builtin:imdb"}, "prompts": {"path": "builtin:imdb"}},
+        "rl": {"variants": {"ppo": {"estimator": "gae"}}}}))
+    proc = snakemake(configfile, "all", "--dry-run", "--config", f"results_dir={results}")
+    assert planned_jobs(proc.stdout) == {"base_model": 1, "preprocess": 2, "reward_model": 1, "rl": 1, "evaluate": 2,
+                                         "report": 1, "all": 1}, proc.stdout[-3000:]
+    assert planned_outputs(proc.stdout, "ppo-only") == {
+        "base_model", "preprocess/pairs", "preprocess/prompts", "reward_model", "rl/ppo/seed1234",
+        "evaluate/base/seed1234", "evaluate/ppo/seed1234", "report"}
+    assert "grpo" not in proc.stdout + proc.stderr
+    assert not results.exists()
+
+
+def test_without_a_configfile_the_demo_is_planned(tmp_path):
+    """`snakemake all` with no --configfile reads config/default.yaml: its whole DAG."""
+    results = tmp_path / "results"
+    proc = subprocess.run([SNAKEMAKE, "--profile", "cluster_profiles/local", "all", "--dry-run",
+                           "--config", f"results_dir={results}"], cwd=REPO_ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert planned_jobs(proc.stdout) == {"base_model": 1, "preprocess": 3, "sft": 1, "reward_model": 1, "dpo": 1,
+                                         "rl": 1, "evaluate": 4, "report": 1, "all": 1}, proc.stdout[-3000:]
+    assert planned_outputs(proc.stdout, "imdb-positive") == {
+        "base_model", "preprocess/sft", "preprocess/pairs", "preprocess/prompts", "sft", "reward_model",
+        "dpo/seed1234", "rl/grpo/seed1234", *(f"evaluate/{model}/seed1234" for model in ("base", "sft", "dpo", "grpo")),
+        "report"}
+    assert re.search(rf"output: {re.escape(str(results))}/imdb-positive/report$", proc.stdout, re.M)
+    assert not results.exists()
+
+
 # ---- the same checks without Snakemake --------------------------------------------------------------------
 
-SHIPPED = [[REPO_ROOT / "config" / name] for name in ("default.yaml", "tiny.yaml", "arithmetic.yaml")] + \
-    [[REPO_ROOT / "config" / "default.yaml", path] for path in sorted((REPO_ROOT / "config" / "examples").glob("*.yaml"))]
+SHIPPED = sorted((REPO_ROOT / "config").glob("*.yaml")) + \
+    sorted((REPO_ROOT / "config" / "examples").glob("*.yaml"))  # each file alone, as --configfile reads it
 
 
-@pytest.mark.parametrize("paths", SHIPPED, ids=lambda paths: paths[-1].stem)
-def test_shipped_configs_pass_every_check(paths):
-    config = load_config_files(paths)
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda path: path.stem)
+def test_shipped_configs_pass_every_check(path):
+    config = load_config_files([path])
+    check_dag_data(config, path.name)
     assert check_stages(stage_jobs(config), config["launcher"]) == []
     check_batches(config, "shipped")
 

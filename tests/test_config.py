@@ -8,16 +8,29 @@ from pathlib import Path
 import pytest
 import yaml
 
-from launcher.config import REPO_ROOT, ConfigError, load_config_files, validate_config
+from launcher.config import REPO_ROOT, ConfigError, check_dag_data, load_config_files, stage_jobs, validate_config
+
+GRPO = {"grpo": {"estimator": "group_norm"}}  # an rl variant: the schema's defaults have none (no RL)
+IMDB = {"path": "builtin:imdb"}  # one dataset's block; within one config each role gets its own copy (dict(IMDB)):
+# a mapping shared by two roles is filled with both roles' defaults (test_a_mapping_shared_by_two_datasets_...)
 
 
 def test_defaults_fill_every_key():
+    """The schema's defaults describe no task: no datasets, no DPO, no RL; evaluate.models and evaluate.rewards are
+    resolved from what the DAG holds (only the base model, no rewards without RL)."""
     config = validate_config({})
+    assert config["experiment"] == "experiment"
     assert config["sft"]["zero_stage"] == 2
-    assert config["evaluate"]["models"] == ["base", "sft", "dpo", "grpo"]
-    assert config["rl"]["variants"] == {"grpo": {"estimator": "group_norm"}} and config["rl"]["reward"] == "model"
-    assert config["dpo"]["checkpoint_every"] == 0 and config["dpo"]["learning_rate"] == 5.0e-6
+    assert all(config["data"][role]["path"] is None for role in ("sft", "preference", "prompts", "eval"))
+    assert config["dpo"] is None
+    assert config["rl"]["variants"] == {} and config["rl"]["reward"] == "model"
+    assert config["evaluate"]["models"] == ["base"] and config["evaluate"]["rewards"] == []
     assert config["launcher"]["cluster"] == "local"
+    # a block given empty gets its defaults; the evaluation follows the models and rewards the DAG makes
+    config = validate_config({"data": {"sft": {"path": "builtin:imdb"}}, "dpo": {},
+                              "rl": {"variants": {"grpo": {"estimator": "group_norm"}}}})
+    assert config["dpo"]["checkpoint_every"] == 0 and config["dpo"]["learning_rate"] == 5.0e-6
+    assert config["evaluate"]["models"] == ["base", "sft", "dpo", "grpo"] and config["evaluate"]["rewards"] == ["model"]
 
 
 def test_shipped_configs_are_valid():
@@ -32,11 +45,14 @@ def test_shipped_configs_are_valid():
     ({"sft": {"zero_stage": 4}}, ["sft.zero_stage", "4", "[0, 1, 2, 3]"]),
     ({"sft": {"num_workers": 0}}, ["sft.num_workers", "out of range", "minimum"]),
     ({"evaluate": {"models": ["base", "gpt5"]}}, ["evaluate.models.1", "gpt5", "base"]),
-    ({"sft": {"batch_size": 6, "micro_batch_size": 4, "num_workers": 1}}, ["sft.batch_size", "multiple"]),
-    ({"rl": {"variants": {"grpo": {"estimator": "group_norm", "n_samples": 1}}}}, ["rl.variants.grpo", "n_samples >= 2"]),
-    ({"rl": {"reward": "no/such/file.py"}}, ["rl.variants.grpo.reward", "no/such/file.py", "reward_fn"]),
+    ({"data": {"sft": {"path": "builtin:imdb"}}, "sft": {"batch_size": 6, "micro_batch_size": 4, "num_workers": 1}},
+     ["sft.batch_size", "multiple"]),
+    ({"rl": {"variants": {"grpo": {"estimator": "group_norm", "n_samples": 1}}}},
+     ["rl.variants.grpo", "n_samples >= 2"]),
+    ({"rl": {"reward": "no/such/file.py", "variants": GRPO}},
+     ["rl.variants.grpo.reward", "no/such/file.py", "reward_fn"]),
     ({"rl": {"variants": {"ppo": {"estimatr": "gae"}}}}, ["unknown key rl.variants.ppo.estimatr", "estimator"]),
-    ({"evaluate": {"models": ["base", "ppo"]}}, ["evaluate.models.1", "'ppo'", "grpo"]),
+    ({"rl": {"variants": GRPO}, "evaluate": {"models": ["base", "ppo"]}}, ["evaluate.models.1", "'ppo'", "grpo"]),
     ({"dpo": {"lora_rank": 8, "lora_targets": ["q_proj", "qkv"]}}, ["dpo.lora_targets", "qkv", "v_proj"]),
 ])
 def test_bad_config_names_key_and_valid_values(raw, expected):
@@ -113,7 +129,8 @@ def reward_file(path, text):
      ["own Python code", "trust_remote_code: true"]),
     (lambda d: {"model": {"path": fake_model_dir(d / "m", chat_template=False)}},
      ["has no chat template", "apply_chat_template: false", "input_template"]),
-    (lambda d: {"model": {"path": fake_model_dir(d / "m")}, "sft": {"lora_rank": 4, "lora_targets": ["q_proj"]}},
+    (lambda d: {"model": {"path": fake_model_dir(d / "m")}, "data": {"sft": IMDB},
+                "sft": {"lora_rank": 4, "lora_targets": ["q_proj"]}},
      ["sft.lora_targets ['q_proj']", "gpt2", "c_attn", "all-linear"]),
     (lambda d: {"sft": {"from": str(d / "nothing")}}, ["sft.from", "nothing"]),
     (lambda d: {"reward_model": {"from": fake_model_dir(d / "rm", id2label={"0": "a", "1": "b"})}},
@@ -121,9 +138,10 @@ def reward_file(path, text):
     (lambda d: {"evaluate": {"rewards": [reward_file(d / "r.txt", "")]}}, ["evaluate.rewards.0", "not a Python file"]),
     (lambda d: {"evaluate": {"rewards": [reward_file(d / "r.py", "def score(x): pass\n")]}},
      ["evaluate.rewards.0", "must define reward_fn"]),
-    (lambda d: {"rl": {"reward": reward_file(d / "r.py", "def reward_fn(completions): pass\n")}},
+    (lambda d: {"rl": {"reward": reward_file(d / "r.py", "def reward_fn(completions): pass\n"), "variants": GRPO}},
      ["rl.variants.grpo.reward", "reward_fn(completions)", "reward_fn(prompts, completions, labels)"]),
-    (lambda d: {"rl": {"reward": reward_file(d / "r.py", "import no_such_module\n")}}, ["fails to import"]),
+    (lambda d: {"rl": {"reward": reward_file(d / "r.py", "import no_such_module\n"), "variants": GRPO}},
+     ["fails to import"]),
     (lambda d: {"data": {"input_template": "Q: {}\nA: "}}, ["input_template", "apply_chat_template: false"]),
 ])
 def test_models_and_reward_files_are_checked_before_anything_runs(tmp_path, make, expected):
@@ -134,6 +152,121 @@ def test_models_and_reward_files_are_checked_before_anything_runs(tmp_path, make
 
 
 def test_lora_targets_of_the_models_architecture_pass(tmp_path):
-    base = fake_model_dir(tmp_path / "m")
-    validate_config({"model": {"path": base}, "sft": {"lora_rank": 4, "lora_targets": ["c_attn", "c_fc"]},
+    base = fake_model_dir(tmp_path / "m")  # sft, dpo and the reward model (evaluate.rewards: model) in the DAG
+    validate_config({"model": {"path": base}, "data": {"sft": IMDB}, "evaluate": {"rewards": ["model"]},
+                     "sft": {"lora_rank": 4, "lora_targets": ["c_attn", "c_fc"]},
                      "dpo": {"lora_rank": 4, "lora_targets": "all-linear"}, "reward_model": {"lora_rank": 4}})
+
+
+# ---- config files: a key written twice ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("text, line, first, key", [
+    ("experiment: a\nseed: 1\nexperiment: b\n", 3, 1, "experiment"),
+    ("rl:\n  steps: 4\n  kl_coef: 0.01\n  steps: 8\n", 4, 2, "steps"),
+    ("data:\n  prompts: {path: \"builtin:imdb\", path: \"builtin:arithmetic\"}\n", 2, 2, "path"),
+], ids=["top-level", "nested", "flow-mapping"])
+def test_a_key_written_twice_is_refused_naming_file_and_line(tmp_path, text, line, first, key):
+    """PyYAML (and so Snakemake) would keep the last one silently; the file (of the files given) and the second key's
+    line are named."""
+    ok, path = tmp_path / "ok.yaml", tmp_path / "twice.yaml"
+    ok.write_text("seed: 2\n")
+    path.write_text(text)
+    with pytest.raises(ConfigError) as err:
+        load_config_files([ok, path])
+    message = str(err.value)
+    assert message.startswith(f"{path}: line {line}: key {key!r} is written twice"), message
+    assert f"first on line {first}" in message, message
+
+
+def test_merge_keys_and_a_key_in_two_files_are_not_duplicates(tmp_path):
+    """A YAML merge key (<<) and a key it brings in set again, and a key set by two files (the later wins): not a
+    key written twice in one mapping."""
+    first, second = tmp_path / "first.yaml", tmp_path / "second.yaml"
+    first.write_text("seed: 1\nsft: &trainer {zero_stage: 0, num_workers: 1}\n"
+                     "dpo: {<<: *trainer, zero_stage: 1}\n")
+    second.write_text("seed: 2\n")
+    config = load_config_files([first, second])
+    assert config["seed"] == 2
+    assert (config["dpo"]["zero_stage"], config["dpo"]["num_workers"]) == (1, 1)
+
+
+# ---- what the DAG holds --------------------------------------------------------------------------------------
+
+def test_a_file_with_only_a_ppo_variant_plans_only_ppo(tmp_path):
+    """rl.variants is the file's alone (no grpo from the demo or the schema): the DAG trains and evaluates ppo only,
+    with the reward model its default reward (rl.reward: model) asks for, and no SFT or DPO."""
+    path = tmp_path / "ppo.yaml"
+    path.write_text(yaml.safe_dump({"experiment": "ppo-only", "rl": {"variants": {"ppo": {"estimator": "gae"}}},
+                                    "data": {"preference": dict(IMDB), "prompts": dict(IMDB)}}))
+    config = load_config_files([path])
+    check_dag_data(config, str(path))
+    assert list(config["rl"]["variants"]) == ["ppo"]
+    assert config["evaluate"]["models"] == ["base", "ppo"] and config["evaluate"]["rewards"] == ["model"]
+    runs = [run for _, run, _ in stage_jobs(config)]
+    assert runs == ["base_model", "preprocess/pairs", "preprocess/prompts", "reward_model", "rl/ppo/seed1234",
+                    "evaluate/base/seed1234", "evaluate/ppo/seed1234", "report"]
+    assert not any("grpo" in run for run in runs)
+    report = next(params for stage, _, params in stage_jobs(config) if stage == "report")
+    assert list(report["variants"]) == ["ppo"]
+    assert report["stages"] == {"sft": False, "reward_model": True, "dpo": False}
+
+
+@pytest.mark.parametrize("make, fragments", [
+    (lambda d: {"dpo": {}, "data": {"eval": IMDB}},
+     ["data.preference.path is not set, but dpo (the `dpo` block is present"]),
+    (lambda d: {"rl": {"variants": GRPO}, "data": {"prompts": IMDB}},
+     ["data.preference.path is not set, but the reward model (rl.variants.grpo.reward and evaluate.rewards score "
+      "with `model`)"]),
+    (lambda d: {"evaluate": {"rewards": ["model"]}, "data": {"eval": IMDB}},
+     ["data.preference.path is not set, but the reward model (evaluate.rewards score with `model`)"]),
+    (lambda d: {"rl": {"variants": GRPO, "reward": "config/rewards/sentiment.py"}, "data": {"eval": IMDB}},
+     ["data.prompts.path is not set, but rl (rl.variants: grpo) needs it"]),
+    (lambda d: {}, ["the evaluation needs prompts: set data.eval.path (or data.prompts.path"]),
+    (lambda d: {"reward_model": {"from": fake_model_dir(d / "rm", id2label={"0": "score"})}, "data": {"eval": IMDB}},
+     ["reward_model.from is given but nothing scores with `model`"]),
+    (lambda d: {"dpo": {}, "rl": {"variants": GRPO}},  # every problem at once, each on its line
+     ["data.preference.path is not set, but dpo", "data.preference.path is not set, but the reward model",
+      "data.prompts.path is not set, but rl (rl.variants: grpo)", "the evaluation needs prompts"]),
+], ids=["dpo-no-pairs", "rl-reward-model-no-pairs", "evaluate-reward-model-no-pairs", "rl-no-prompts",
+        "no-eval-no-prompts", "reward-model-from-unused", "all-at-once"])
+def test_a_dag_missing_its_data_is_refused_naming_the_key(tmp_path, make, fragments):
+    config = validate_config(make(tmp_path), source="my.yaml")  # valid alone: the DAG's data is checked before queueing
+    with pytest.raises(ConfigError) as err:
+        check_dag_data(config, "my.yaml")
+    message = str(err.value)
+    assert message.startswith("the experiment's stages need data it does not give\n"), message
+    for fragment in fragments:
+        assert f"  my.yaml: {fragment}" in message, (fragment, message)
+    assert len(message.splitlines()) == 1 + len(fragments), message
+
+
+@pytest.mark.parametrize("raw", [
+    {"data": {"eval": IMDB}},  # the base model alone, evaluated
+    {"data": {"prompts": IMDB}},  # evaluated on the prompts' held-out share
+    {"data": {"prompts": IMDB}, "rl": {"variants": GRPO, "reward": "config/rewards/sentiment.py"}},  # no reward model
+    {"data": {"eval": dict(IMDB), "preference": dict(IMDB)}, "evaluate": {"rewards": ["model"]}},
+], ids=["base-only", "prompts-only", "rl-reward-file", "reward-model-for-evaluation"])
+def test_a_dag_with_the_data_it_reads_passes(raw):
+    check_dag_data(validate_config(raw, source="my.yaml"), "my.yaml")
+
+
+@pytest.mark.parametrize("raw, index, model, valid", [
+    ({"rl": {"variants": GRPO}, "evaluate": {"models": ["base", "grpo", "dpo"]}}, 2, "dpo", ["base", "grpo"]),
+    ({"dpo": {}, "evaluate": {"models": ["sft", "dpo"]}}, 0, "sft", ["base", "dpo"]),
+    ({"data": {"sft": IMDB}, "evaluate": {"models": ["base", "sft", "grpo"]}}, 2, "grpo", ["base", "sft"]),
+], ids=["dpo-without-its-block", "sft-without-its-data", "grpo-without-its-variant"])
+def test_evaluating_a_model_the_dag_does_not_make_is_refused(raw, index, model, valid):
+    with pytest.raises(ConfigError) as err:
+        validate_config(raw, source="my.yaml")
+    message = str(err.value)
+    assert f"my.yaml: evaluate.models.{index} = {model!r} is not a model this experiment's DAG makes" in message
+    assert f"valid: {valid}" in message, message
+
+
+def test_a_mapping_shared_by_two_datasets_is_read_as_two(tmp_path):
+    """A YAML anchor for two datasets (or a dict shared in Python) gives each role its own block and defaults."""
+    path = tmp_path / "anchor.yaml"
+    path.write_text('data:\n  preference: &imdb {path: "builtin:imdb"}\n  prompts: *imdb\n')
+    config = load_config_files([path])
+    assert config["data"]["preference"]["path"] == config["data"]["prompts"]["path"] == "builtin:imdb"
+    assert "input_key" not in config["data"]["preference"] and "chosen_key" not in config["data"]["prompts"]

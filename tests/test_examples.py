@@ -1,15 +1,16 @@
 """The example cluster experiments in config/examples/ (issue #16), checked without a cluster, GPU or network.
 
 For every file there:
-  - it validates merged over config/default.yaml, as `snakemake --configfile` merges it;
+  - it stands on its own: it validates read over the schema's defaults alone, as `snakemake --configfile` reads it
+    (config/default.yaml, the demo, is not read), and gives every dataset its DAG's stages need;
   - every stage's job passes the launcher's own checks (launcher/resources.py: stage_resources, check_fits) with
     the params its rule hands the launcher, and with the slurm profile's resources;
   - its resources add up: the GPUs every role takes (`gpus_needed`) fill the job exactly, there is a core per GPU
     process, and the memory plan (launcher/memory.py) of every GPU job fits its fullest GPU (80 GB) and fullest node
     (the job's `mem_gb`);
-  - Snakemake's dry run with the slurm profile plans every job: base_model, preprocess, sft, reward_model, dpo
-    per seed, rl per variant and seed, evaluate per model (and seed), report, and prints the memory plan, one row
-    per GPU job, each fitting. The datasets' hub ids
+  - Snakemake's dry run with the slurm profile plans every job: base_model, preprocess per dataset (sft, pairs,
+    prompts), sft, reward_model, dpo per seed, rl per variant and seed, evaluate per model (and seed), report, and
+    prints the memory plan, one row per GPU job, each fitting, in the order of the DAG's jobs. The datasets' hub ids
     are not looked up (runtime/user_data.is_hub); the model's config.json comes from a Hugging Face cache seeded with
     the published ones (tests/hub_configs.py), so the dry run works offline.
 And one vLLM engine more than an example's GPUs hold is refused by check_fits, naming the GPUs.
@@ -24,13 +25,13 @@ import pytest
 import yaml
 
 from hub_configs import HUB_CONFIGS, hf_env, hub_sizes, seed_hf_cache
-from launcher.config import REPO_ROOT, ConfigError, load_config_files, method_seeds, rl_variant, stage_jobs
+from launcher.config import (REPO_ROOT, ConfigError, check_dag_data, dag_stages, load_config_files, method_seeds,
+                             rl_variant, stage_jobs)
 from launcher.memory import breakdown, memory_plan
 from launcher.resources import LaunchConfigError, check_fits, gpus_needed, stage_resources
 from runtime.user_data import is_hub
 
 EXAMPLES = sorted((REPO_ROOT / "config" / "examples").glob("*.yaml"))
-DEFAULT = REPO_ROOT / "config" / "default.yaml"
 SLURM_PROFILE = REPO_ROOT / "cluster_profiles" / "slurm"
 STAGES = ("base_model", "preprocess", "sft", "reward_model", "dpo", "rl", "evaluate", "report")
 CPU_STAGES = ("base_model", "preprocess", "report")
@@ -39,7 +40,8 @@ CPU_STAGES = ("base_model", "preprocess", "report")
 # ---- What the launcher gets ------------------------------------------------------------------------------------
 
 def load_example(path: Path, overrides: dict | None = None) -> dict:
-    return load_config_files([DEFAULT, path], overrides)
+    """The example alone (over the schema's defaults), as `snakemake --configfile <example>` reads it."""
+    return load_config_files([path], overrides)
 
 
 def profile_resources() -> dict:
@@ -72,8 +74,12 @@ def test_the_8b_examples_exist():
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
-def test_example_validates_over_the_default(path):
+def test_example_validates_on_its_own(path):
     config = load_example(path)
+    check_dag_data(config, path.name)  # every dataset its stages read is given, none from the demo
+    stages = dag_stages(config)
+    assert stages["sft"] and stages["reward_model"] and stages["dpo"] and stages["variants"], stages
+    assert stages["datasets"] == ["sft", "pairs", "prompts"]
     lines = path.read_text().splitlines()
     header = "\n".join(lines[:next(i for i, line in enumerate(lines) if not line.startswith("#"))])
     command = f"snakemake --profile slurm all --configfile config/examples/{path.name}"
@@ -91,6 +97,7 @@ def test_example_validates_over_the_default(path):
     assert set(launcher["stages"]) == set(STAGES), "every stage's job is sized in launcher.stages"
     assert set(config["evaluate"]["models"]) == {"base", "sft", "dpo", *config["rl"]["variants"]}, \
         "every model of the experiment is evaluated"
+    assert config["data"]["system_prompt"] is None, "the chat template's own system prompt, not the demo's"
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
@@ -176,7 +183,7 @@ def test_an_example_with_a_bad_key_is_refused(tmp_path):
     config["launcher"]["stages"]["ppo"] = config["launcher"]["stages"].pop("rl")
     bad.write_text(yaml.safe_dump(config))
     with pytest.raises(ConfigError, match="launcher.stages.ppo"):
-        load_config_files([DEFAULT, bad])
+        load_config_files([bad])
 
 
 def dry_run(configfiles: list, results: Path, hf_home: Path, seed_cache: bool = True,
@@ -213,13 +220,13 @@ def test_dry_run_plans_every_job(path, tmp_path):
     runs = [(p["model"], p["seed"]) for stage, _, p in stage_jobs(config) if stage == "evaluate"]
     table = proc.stdout.split("Job stats:")[1]
     planned = {m[1]: int(m[2]) for m in re.finditer(r"^(\w+)\s+(\d+)$", table, re.M) if m[1] != "total"}
-    assert planned == {"base_model": 1, "preprocess": 1, "sft": 1, "reward_model": 1, "dpo": len(seeds),
+    assert planned == {"base_model": 1, "preprocess": 3, "sft": 1, "reward_model": 1, "dpo": len(seeds),
                        "rl": len(variants) * len(seeds), "evaluate": len(runs), "report": 1, "all": 1}, planned
     root = results / config["experiment"]
     outputs = {Path(m[1]).relative_to(root).as_posix() for m in re.finditer(r"^\s+output: (\S+)$", proc.stdout, re.M)}
-    expected = {"base_model", "preprocess", "sft", "reward_model", "report"} | {f"dpo/seed{s}" for s in seeds} | \
+    expected = {"base_model", "preprocess/sft", "preprocess/pairs", "preprocess/prompts", "sft", "reward_model",
+                "report"} | {f"dpo/seed{s}" for s in seeds} | \
         {f"rl/{v}/seed{s}" for v in variants for s in seeds} | {f"evaluate/{mo}/seed{s}" for mo, s in runs}
     assert outputs == expected
     plan = proc.stderr.split("Memory plan")[1]
-    # (Snakemake merges rl.variants over the default's in an order of its own: compared sorted)
-    assert sorted(re.findall(r"^  (\S+) .* yes$", plan, re.M)) == sorted(gpu_runs), plan
+    assert re.findall(r"^  (\S+) .* yes$", plan, re.M) == gpu_runs, plan

@@ -33,7 +33,7 @@ from runtime.rl_actors import FrozenScorer
 from runtime.rollout import start_engines
 from stages import rl
 
-EXAMPLE = [REPO_ROOT / "config" / "default.yaml", REPO_ROOT / "config" / "examples" / "llama3-8b-grpo.yaml"]
+EXAMPLE = [REPO_ROOT / "config" / "examples" / "llama3-8b-grpo.yaml"]  # on its own, as --configfile reads it
 CALL_TIMEOUT_S = 120  # a hang in a collective shows as a timeout
 
 

@@ -16,7 +16,7 @@ import pytest
 import yaml
 
 from hub_configs import HUB_CONFIGS, PUBLISHED_PARAMS, hub_sizes
-from launcher.config import REPO_ROOT, ConfigError, stage_jobs, validate_config
+from launcher.config import REPO_ROOT, ConfigError, check_dag_data, stage_jobs, validate_config
 from launcher.memory import (LOGITS_CHUNKS_GB, SCORE_BATCH, ModelSize, check_memory, estimate, memory_plan,
                              model_sizes, vllm_share)
 from launcher.resources import check_stages, stage_resources
@@ -27,11 +27,16 @@ REWARD_FILE = "config/rewards/exact_match.py"  # the issues' runs score with a r
 
 
 def rl_only(model: str, rl: dict, rl_resources: dict, gpu_memory_gb: float = 80, data: dict | None = None) -> dict:
-    """A validated config whose only GPU job is rl: `rl` over the schema's defaults, `rl_resources` its job."""
+    """A validated config whose only GPU job is rl: `rl` over the schema's defaults (no SFT, no DPO: RL starts from
+    the base model), its prompts (and, for a reward model, its pairs) given, `rl_resources` its job."""
     config = validate_config({
-        "model": {"path": model}, "data": {"max_prompt_tokens": 1024, **(data or {})}, "rl": rl,
-        "evaluate": {"models": ["base", "sft", "dpo", *rl["variants"]], "rewards": [REWARD_FILE]},
+        "model": {"path": model},
+        "data": {"max_prompt_tokens": 1024, "preference": {"path": "builtin:imdb"}, "prompts": {"path": "builtin:imdb"},
+                 **(data or {})},
+        "rl": rl, "evaluate": {"rewards": [REWARD_FILE]},
         "launcher": {"cluster": "slurm", "gpu_memory_gb": gpu_memory_gb, "stages": {"rl": rl_resources}}})
+    check_dag_data(config, "rl_only")  # the DAG has the data it reads
+    assert config["evaluate"]["models"] == ["base", *rl["variants"]], "every model of the DAG is evaluated"
     assert check_stages(stage_jobs(config), config["launcher"]) == [], "the launcher accepts the layout"
     return config
 
@@ -61,7 +66,8 @@ def test_a_local_model_directory_is_read_and_a_config_it_cannot_count_skips_the_
     (model / "config.json").write_text(json.dumps(HUB_CONFIGS[QWEN_7B]))
     (model / "model.safetensors").write_bytes(b"")  # the config checks look for weights, not into them
     (model / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ messages }}"}))
-    config = validate_config({"model": {"path": str(model)}, "sft": {"zero_stage": 3},
+    config = validate_config({"model": {"path": str(model)}, "data": {"sft": {"path": "builtin:imdb"}},  # SFT's job
+                              "sft": {"zero_stage": 3},
                               "launcher": {"stages": {"sft": {"gpus_per_node": 2, "mem_gb": 64}}}})
     assert model_sizes(config)["policy"].params == pytest.approx(PUBLISHED_PARAMS[QWEN_7B], rel=2e-3)
     assert "trainer GPU" in check_memory(config, "test")

@@ -117,7 +117,7 @@ def base_model_job(tmp_path: Path, experiment: str) -> tuple[dict, dict, Path]:
     """The base_model rule's `job` and `job_io` (as the Snakefile builds them) and its output, for the tiny config
     with results under tmp_path/results."""
     configfile = write_config(tmp_path / f"{experiment}.yaml", tmp_path / "results", experiment=experiment)
-    config = load_config_files([REPO_ROOT / "config" / "default.yaml", configfile])
+    config = load_config_files([configfile])
     job = {"stage": "base_model", "run_name": "base_model", "code": stage_code_hash("base_model"),
            "config": {"model": config["model"], "seed": config["seed"]}}
     job_io = {"inputs": {}, "resources": {},

@@ -20,14 +20,18 @@ RL_GAIN_BAR = 0.01  # measured, mean of seeds 0 and 1: grpo +0.040, ppo +0.034 (
 
 def test_outputs_and_metrics(tiny_run):
     results = tiny_run["results"]
-    for split, keys in (("sft_train", {"prompt", "response"}), ("sft_eval", {"prompt", "response"}),
-                        ("prompts_eval", {"prompt", "input", "label"})):
-        rows = [json.loads(line) for line in (results / "preprocess" / f"{split}.jsonl").read_text().splitlines()]
+    for dataset, split, keys in (("sft", "sft_train", {"prompt", "response"}), ("sft", "sft_eval", {"prompt", "response"}),
+                                 ("prompts", "prompts_eval", {"prompt", "input", "label"})):
+        rows = [json.loads(line) for line in (results / "preprocess" / dataset / f"{split}.jsonl").read_text().splitlines()]
         assert rows and all(keys <= row.keys() for row in rows)
         assert all(row["prompt"].startswith("<|im_start|>user") for row in rows), "chat template not applied"
-    stats = json.loads((results / "preprocess" / "stats.json").read_text())
-    assert stats["rows_sft_train"] == 64 and stats["rows_sft_eval"] == 16 and stats["sft_response_tokens_max"] <= 24
-    assert stats["rows_pairs_eval"] == 128 and stats["rows_prompts_train"] == 128
+    stats = {dataset: json.loads((results / "preprocess" / dataset / "stats.json").read_text())
+             for dataset in ("sft", "pairs", "prompts")}  # one job per dataset
+    assert stats["sft"]["rows_sft_train"] == 64 and stats["sft"]["rows_sft_eval"] == 16
+    assert stats["sft"]["sft_response_tokens_max"] <= 24 and set(stats["sft"]) == {
+        "rows_sft_train", "rows_sft_eval", "sft_rows_read", "sft_prompt_tokens_mean", "sft_prompt_tokens_max",
+        "sft_response_tokens_mean", "sft_response_tokens_max", "sft_truncated_response"}
+    assert stats["pairs"]["rows_pairs_eval"] == 128 and stats["prompts"]["rows_prompts_train"] == 128
 
     sft = results / "sft"
     assert (sft / "model.safetensors").exists() and (sft / "config.json").exists()
@@ -48,6 +52,9 @@ def test_outputs_and_metrics(tiny_run):
     report = (results / "report" / "report.md").read_text()
     assert "| base | 1 |" in report and "| sft | 1 |" in report and "| dpo | 2 |" in report
     assert f"| sft | 1 | {tuned['reward_mean']:.3f} |" in report
+    # The DAG that ran, in the report and in MLflow: every stage present, sft and the reward model trained.
+    assert "Stages: base_model, preprocess, sft, reward_model, dpo, rl (grpo, ppo), evaluate, report." in report
+    assert "Reward model: trained on the pairs of `builtin:rotten_tomatoes`" in report
     assert not list(results.rglob("*.partial")), "a partial output was left behind"
 
 
@@ -112,8 +119,11 @@ def test_mlflow_runs(tiny_run):
     children = mlflow_children(tiny_run)
     grid = [f"{method}/seed{seed}" for method in ("dpo", "rl/grpo", "rl/ppo", "evaluate/dpo", "evaluate/grpo")
             for seed in (0, 1)]
-    assert set(children) == {"base_model", "preprocess", "sft", "reward_model", "evaluate/base/seed0",
-                             "evaluate/sft/seed0", "report", *grid}
+    assert set(children) == {"base_model", "preprocess/sft", "preprocess/pairs", "preprocess/prompts", "sft",
+                             "reward_model", "evaluate/base/seed0", "evaluate/sft/seed0", "report", *grid}
+    assert json.loads(children["report"].data.tags["alignpipe.dag"]) == {
+        "stages": {"sft": True, "reward_model": True, "dpo": True}, "given": {"sft": None, "reward_model": None},
+        "variants": ["grpo", "ppo"]}
     sft = children["sft"]
     assert sft.info.status == "FINISHED"
     assert sft.data.params["sft.learning_rate"] == "0.001" and sft.data.params["sft.zero_stage"] == "2"
@@ -137,7 +147,7 @@ def test_grid_tables_equal_mlflow(tiny_run):
     report = tiny_run["results"] / "report"
     for table, prefix, methods, keys in (
             ("results.csv", "evaluate/", {"base": 1, "sft": 1, "dpo": 2, "grpo": 2},
-             ["reward_sentiment", "kl_to_reference", "perplexity", "response_length"]),
+             ["reward_sentiment", "reward_reward_model", "kl_to_reference", "perplexity", "response_length"]),
             ("rl.csv", "rl/", {"grpo": 2, "ppo": 2}, ["eval_reward", "eval_reward_before", "final_kl"])):
         rows = list(csv.DictReader((report / table).open()))
         assert [(r["method"], int(r["seeds"])) for r in rows] == list(methods.items()), table
@@ -197,10 +207,10 @@ def test_changed_parameter_plans_stage_and_dependents(tiny_run):
     changed = write_config(tiny_run["root"] / "changed.yaml", tiny_run["root"] / "results",
                            sft={"learning_rate": 5e-4})
     proc = snakemake(changed, "all", "--dry-run")
-    # SFT feeds the reward model, DPO and RL (2 seeds each) and their evaluations; base's evaluation is untouched.
-    assert planned_jobs(proc.stdout) == {"sft": 1, "reward_model": 1, "dpo": 2, "rl": 4, "evaluate": 5, "report": 1,
+    # SFT feeds the reward model, DPO and RL (2 seeds each) and every evaluation (each scores with the reward model,
+    # evaluate.rewards); the base model and the preprocessed data are untouched.
+    assert planned_jobs(proc.stdout) == {"sft": 1, "reward_model": 1, "dpo": 2, "rl": 4, "evaluate": 6, "report": 1,
                                          "all": 1}, proc.stdout[-3000:]
-    assert "evaluate/base/seed0" not in planned_outputs(proc.stdout)
     assert "evaluate/sft/seed0" in planned_outputs(proc.stdout)
     changed_dpo = write_config(tiny_run["root"] / "changed_dpo.yaml", tiny_run["root"] / "results", dpo={"beta": 0.2})
     proc = snakemake(changed_dpo, "all", "--dry-run")
@@ -249,11 +259,11 @@ def test_loss_edit_plans_its_stages_and_dependents(tiny_run, tmp_path):
     stdout = dry_run_with_edited_code(tiny_run["configfile"], tmp_path, {
         "runtime/losses.py": ("def dpo_loss(", "EDITED = True\n\n\ndef dpo_loss("),
     })
-    # The reward model feeds grpo and ppo (reward `model` or not, every rl run reads the trained objectives);
-    # evaluations of base and sft, and base_model, preprocess and sft themselves, stay.
-    assert planned_jobs(stdout) == {"reward_model": 1, "dpo": 2, "rl": 4, "evaluate": 4, "report": 1, "all": 1}, \
+    # The reward model feeds every evaluation (its column of the table) and grpo and ppo (reward `model` or not, every
+    # rl run reads the trained objectives); base_model, preprocess and sft themselves stay.
+    assert planned_jobs(stdout) == {"reward_model": 1, "dpo": 2, "rl": 4, "evaluate": 6, "report": 1, "all": 1}, \
         stdout[-3000:]
-    assert not {"evaluate/base/seed0", "evaluate/sft/seed0", "sft"} & planned_outputs(stdout)
+    assert not {"sft", "base_model", "preprocess/sft"} & planned_outputs(stdout)
 
 
 def test_failed_stage_reports_job_and_leaves_no_output(tmp_path):
@@ -263,10 +273,10 @@ def test_failed_stage_reports_job_and_leaves_no_output(tmp_path):
     proc = snakemake(configfile, "all", check=False)
     output = proc.stdout + proc.stderr
     assert proc.returncode != 0
-    match = re.search(r"stage preprocess failed: job (\d+), state \w+, log (\S+)", output)
+    match = re.search(r"stage preprocess/\w+ failed: job (\d+), state \w+, log (\S+)", output)
     assert match, output[-4000:]
-    assert "/logs/preprocess/" in match.group(2) and Path(match.group(2)).exists()
+    assert "/logs/preprocess-" in match.group(2) and Path(match.group(2)).exists()
     assert "raise data.max_prompt_tokens" in output, "the stage's own error message must reach the terminal"
     results = tmp_path / "results" / "failing"
     assert (results / "base_model" / "config.json").exists()
-    assert not (results / "preprocess").exists() and not (results / "preprocess.partial").exists()
+    assert not list((results / "preprocess").glob("*")) if (results / "preprocess").exists() else True

@@ -1,7 +1,8 @@
-"""Tracking under faults (runtime/tracking.py): a metrics write that fails is retried, then buffered, never
-fatal, and the buffer reaches MLflow later; parallel stages on one sqlite store lose nothing; a stage whose
-tracking server dies finishes; a killed attempt's RUNNING run is marked KILLED by the next one; credentials in
-the tracking URI are refused; the experiment is a model-training one and its parent run spans its stages.
+"""Tracking under faults (runtime/tracking.py, runtime/tracking_buffer.py): a metrics write that fails is retried,
+then buffered, never fatal, and the buffer reaches MLflow later; parallel stages on one sqlite store lose nothing; a
+stage whose tracking server dies finishes; a killed attempt's RUNNING run is marked KILLED by the next one;
+credentials in the tracking URI are refused; the experiment is a model-training one and its parent run spans its
+stages.
 
 The tests that start processes (stages, an MLflow server) are marked e2e; each takes well under a minute."""
 import json
@@ -22,7 +23,7 @@ from mlflow.tracking import MlflowClient
 
 from launcher.config import REPO_ROOT
 from pipeline_helpers import wait_until
-from runtime import tracking
+from runtime import tracking, tracking_buffer
 
 # A stage as the job runs one (runtime/job.py): tracking.stage_run around a loop of stepped metrics. argv: uri,
 # experiment, run_name, steps, seconds between steps, progress file, step after which the process kills itself
@@ -30,9 +31,9 @@ from runtime import tracking
 STAGE = r"""
 import json, os, signal, sys, time
 from pathlib import Path
-from runtime import tracking
+from runtime import tracking, tracking_buffer
 uri, experiment, run_name, steps, pause, progress, kill_after, budget = sys.argv[1:9]
-tracking.RETRY_BUDGET_S = float(budget)
+tracking_buffer.RETRY_BUDGET_S = float(budget)
 with tracking.stage_run(uri, experiment, run_name, {"seed": 0, "lr": 0.1}) as run:
     for step in range(int(steps)):
         run.log_metrics({"loss": 1.0 / (step + 1), "reward": step * 0.5}, step=step)
@@ -45,7 +46,7 @@ print(json.dumps({"run_id": run.run_id, "stats": run.stats, "buffer": str(run.bu
 
 
 def start_stage(tmp_path: Path, uri: str, experiment: str, run_name: str, steps: int, pause: float = 0.0,
-                kill_after: int = -1, budget: float = tracking.RETRY_BUDGET_S, env: dict | None = None):
+                kill_after: int = -1, budget: float = tracking_buffer.RETRY_BUDGET_S, env: dict | None = None):
     progress = tmp_path / f"progress-{run_name.replace('/', '-')}"
     proc = subprocess.Popen([sys.executable, "-c", STAGE, uri, experiment, run_name, str(steps), str(pause),
                              str(progress), str(kill_after), str(budget)], cwd=REPO_ROOT, text=True,
@@ -297,8 +298,8 @@ class FlakyClient:
 
 @pytest.fixture
 def quick_retries(monkeypatch):
-    monkeypatch.setattr(tracking, "RETRY_DELAYS_S", (0.01, 0.01, 0.01))
-    monkeypatch.setattr(tracking, "RETRY_BUDGET_S", 1.0)
+    monkeypatch.setattr(tracking_buffer, "RETRY_DELAYS_S", (0.01, 0.01, 0.01))
+    monkeypatch.setattr(tracking_buffer, "RETRY_BUDGET_S", 1.0)
     monkeypatch.setattr(tracking, "RECHECK_S", 0.0)
 
 
@@ -330,11 +331,11 @@ def test_failed_writes_are_buffered_then_delivered(tmp_path, quick_retries, monk
     logged = []
     client.down = False
     client.log_artifact = lambda run_id, path, artifact_path=None: logged.append(Path(path).read_text())
-    assert tracking.flush_buffers(client, tmp_path / "buffers") == (6, 0)  # the too long param is dropped
+    assert tracking_buffer.flush_buffers(client, tmp_path / "buffers") == (6, 0)  # the too long param is dropped
     assert sorted(step for _, step, _ in client.metrics) == [0, 1, 2, 3, 4]
     assert logged == ["{}"] and client.status == "FINISHED"
     assert not list((tmp_path / "buffers").iterdir())
-    assert tracking.flush_buffers(client, tmp_path / "buffers") == (0, 0)
+    assert tracking_buffer.flush_buffers(client, tmp_path / "buffers") == (0, 0)
 
 
 def test_buffer_of_a_running_stage_is_left_to_it(tmp_path, quick_retries):
@@ -344,7 +345,7 @@ def test_buffer_of_a_running_stage_is_left_to_it(tmp_path, quick_retries):
     run.log_metrics({"loss": 1.0}, step=0)
     client.down = False
     other = FlakyClient()
-    assert tracking.flush_buffers(other, tmp_path) == (0, 0) and not other.calls  # locked by its stage
+    assert tracking_buffer.flush_buffers(other, tmp_path) == (0, 0) and not other.calls  # locked by its stage
     run.log_metrics({"loss": 0.5}, step=1)  # the store answers again: the buffer goes first
     assert [s for _, s, _ in client.metrics] == [0, 1] and not run.buffer.pending
     run.finish()

@@ -1,7 +1,10 @@
-"""A new user's experiment, with none of the packaged data: their own model directory (tiny random Qwen2 and GPT-2
-models, built and saved here as a user has them), their SFT, preference, RL-prompt and eval files, their reward file;
-then the same experiment started from an SFT model and a reward model they already have; and the built-in
-arithmetic task (config/arithmetic.yaml) on a tiny Mistral. Each runs the whole DAG through the real parts."""
+"""A new user's experiments, with none of the packaged data: their own model directory (tiny random Qwen2, GPT-2 and
+Mistral models, built and saved here as a user has them), their SFT, preference, RL-prompt and eval files, their
+reward file. Every stage through a Qwen2 chat model; the three experiments of config/ (README, "Your own model and
+data"), each holding only its stages: RL with a verifiable reward on a given instruct model (built-in arithmetic,
+tiny Mistral), SFT then DPO on the user's pairs (Qwen2), the full RLHF chain (GPT-2, a base model); then an
+experiment started from an SFT model and a reward model the user already has. Each runs its DAG through the real
+parts."""
 import csv
 import json
 import math
@@ -15,7 +18,8 @@ from mlflow.tracking import MlflowClient
 from transformers import AutoTokenizer
 
 from launcher.config import REPO_ROOT, deep_merge
-from pipeline_helpers import run_dag, write_config
+from pipeline_helpers import planned_jobs, planned_outputs, run_dag, snakemake, write_config
+from runtime.builtin_data import arithmetic_rows
 from runtime.models import build_tiny
 
 pytestmark = pytest.mark.e2e
@@ -30,9 +34,13 @@ def reward_fn(prompts, completions, labels):
 
 
 EVALUATED = ("base", "sft", "dpo", "grpo", "ppo")
-# The GPT-2 run evaluates the base model and PPO's policy only: the Qwen2 run evaluates every model of the DAG; here
-# what is GPT-2's own is the base model's template and PPO's GPT-2 critic and LoRA (both runs train every stage).
+# The GPT-2 run (config/rlhf-ppo.yaml: sft, reward model, ppo) evaluates the base model and PPO's policy only: the
+# Qwen2 run evaluates every model of its DAG; here what is GPT-2's own is the base model's template, its reward head
+# and PPO's GPT-2 critic and LoRA.
 GPT2_EVALUATED = ("base", "ppo")
+# The trainers of config/tiny.yaml's size, for the shipped experiments run on a tiny model.
+TINY_TRAINER = {"zero_stage": 0, "num_workers": 1, "batch_size": 8, "micro_batch_size": 4, "learning_rate": 1.0e-3,
+                "warmup_steps": 1}
 
 
 def question(word: str, i: int) -> str:
@@ -97,6 +105,26 @@ def user_config(root: Path, model_dir: Path, files: dict, chat: bool, ppo: dict 
     return write_config(root / "config.yaml", root / "results", **(settings | overrides))
 
 
+def shipped_config(name: str, root: Path, **overrides) -> Path:
+    """config/<name>.yaml as shipped, with its results under `root` and the test's `overrides` (a tiny model, the
+    user's files, fewer steps) merged in key by key."""
+    config = yaml.safe_load((REPO_ROOT / "config" / f"{name}.yaml").read_text())
+    config = deep_merge(config, {"results_dir": str(root / "results"), "experiment": root.name, **overrides})
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "config.yaml").write_text(yaml.safe_dump(config))
+    return root / "config.yaml"
+
+
+def made_stages(results: Path) -> set[str]:
+    """The run names of the stages that wrote an output under `results` (each writes a stage.json)."""
+    return {str(p.parent.relative_to(results)) for p in results.rglob("stage.json")}
+
+
+def run_result(root: Path, proc) -> dict:
+    return {"root": root, "results": root / "results" / root.name, "proc": proc,
+            "mlflow": MlflowClient(tracking_uri=f"sqlite:///{root / 'results' / 'mlflow.db'}")}
+
+
 def run_user_experiment(root: Path, architecture: str, chat: bool, cluster_settings: bool = False,
                         evaluated: tuple = EVALUATED) -> dict:
     """`cluster_settings`: PPO with the settings of a GPU cluster run that also work on CPU (two vLLM engines, ZeRO-3
@@ -122,8 +150,22 @@ def qwen2_run(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def gpt2_run(tmp_path_factory):
-    return run_user_experiment(tmp_path_factory.mktemp("gpt2") / "user-gpt2", "gpt2", chat=False,
-                               evaluated=GPT2_EVALUATED)
+    """The full RLHF chain (config/rlhf-ppo.yaml: SFT, reward model, PPO) on the user's GPT-2 base model and files."""
+    root = tmp_path_factory.mktemp("gpt2") / "user-gpt2"
+    files = write_user_files(root / "my_data", chat=False)
+    model_dir = root / "my-gpt2"
+    build_user_model(model_dir, "gpt2", files["texts"], chat=False)
+    configfile = shipped_config(
+        "rlhf-ppo", root, seed=0, model={"path": str(model_dir)},
+        data=files["data"] | {"apply_chat_template": False, "input_template": "User: {}\nAssistant: ",
+                              "system_prompt": None, "max_prompt_tokens": 48},
+        sft=TINY_TRAINER | {"lora_rank": 4, "lora_alpha": 8},
+        reward_model=TINY_TRAINER | {"epochs": 1, "lora_rank": 4, "lora_alpha": 8, "lora_targets": "all-linear"},
+        rl={"steps": 4, "eval_prompts": 8, "max_new_tokens": 16, "learning_rate": 1.0e-3,
+            "variants": {"ppo": {"estimator": "gae", "n_samples": 1, "lora_rank": 4}}},
+        evaluate={"models": list(GPT2_EVALUATED), "rewards": [files["reward"], "model"], "num_prompts": 16,
+                  "max_new_tokens": 16})
+    return run_result(root, run_dag(configfile)) | {"files": files, "model_dir": model_dir}
 
 
 @pytest.mark.parametrize("run_name, architecture, evaluated", [("qwen2_run", "Qwen2", EVALUATED),
@@ -165,24 +207,25 @@ def test_cluster_settings_run_on_cpu(qwen2_run):
 
 def test_responses_end_with_the_end_of_turn_not_eos(qwen2_run, gpt2_run):
     """Qwen2's replies end with <|im_end|> though its eos_token is <|endoftext|>; a base model's with its EOS."""
-    chat_rows = [json.loads(line) for line in (qwen2_run["results"] / "preprocess" / "sft_train.jsonl").open()]
+    chat_rows = [json.loads(line) for line in (qwen2_run["results"] / "preprocess" / "sft" / "sft_train.jsonl").open()]
     assert all(r["response"].endswith("<|im_end|>") and "<|endoftext|>" not in r["response"] for r in chat_rows)
     assert all(r["prompt"].startswith("<|im_start|>user\n") for r in chat_rows)
-    pairs = [json.loads(line) for line in (qwen2_run["results"] / "preprocess" / "pairs_train.jsonl").open()]
+    pairs = [json.loads(line) for line in (qwen2_run["results"] / "preprocess" / "pairs" / "pairs_train.jsonl").open()]
     assert all(p["prompt"].startswith("<|im_start|>user\n") and p["chosen"].endswith("<|im_end|>") for p in pairs)
-    base_rows = [json.loads(line) for line in (gpt2_run["results"] / "preprocess" / "sft_train.jsonl").open()]
+    base_rows = [json.loads(line) for line in (gpt2_run["results"] / "preprocess" / "sft" / "sft_train.jsonl").open()]
     assert all(r["prompt"].startswith("User: ") and r["prompt"].endswith("\nAssistant: ") for r in base_rows)
     assert all(r["response"].endswith("<|endoftext|>") for r in base_rows)
 
 
 def test_start_from_a_given_sft_model_and_reward_model(qwen2_run, tmp_path):
-    """The SFT model and reward model of the first experiment, given to a second: nothing is trained for them, DPO
-    and RL start from them, and the report and MLflow say they were given."""
+    """The SFT model and reward model of the first experiment, given to a second: nothing is trained for them, RL
+    starts from them, and the report and MLflow say they were given. (No DPO: a method starts from `sft` whatever
+    made it, test_sft_then_dpo_on_the_users_pairs.)"""
     given_sft, given_rm = qwen2_run["results"] / "sft", qwen2_run["results"] / "reward_model"
     root = tmp_path / "user-given"
     configfile = user_config(
         root, qwen2_run["model_dir"], qwen2_run["files"], chat=True, sft={"from": str(given_sft)},
-        reward_model={"from": str(given_rm)},
+        reward_model={"from": str(given_rm)}, dpo=None,
         rl={"steps": 2, "eval_prompts": 8, "reward": "model", "variants": {"grpo": {"estimator": "group_norm"}}},
         evaluate={"models": ["sft", "grpo"], "rewards": ["model"]})
     proc = run_dag(configfile)
@@ -196,9 +239,8 @@ def test_start_from_a_given_sft_model_and_reward_model(qwen2_run, tmp_path):
     # The same pairs, the same model: the given reward model scores exactly as it did where it was trained.
     trained = json.loads((given_rm / "metrics.json").read_text())
     assert rm["eval_accuracy"] == trained["eval_accuracy"] and rm["reward_mean"] == pytest.approx(trained["reward_mean"])
-    for stage_dir in (results / "dpo" / "seed0", results / "rl" / "grpo" / "seed0"):
-        inputs = json.loads((stage_dir / "stage.json").read_text())["inputs"]
-        assert Path(inputs["model"]) == (results / "sft").resolve()
+    inputs = json.loads((results / "rl" / "grpo" / "seed0" / "stage.json").read_text())["inputs"]
+    assert Path(inputs["model"]) == (results / "sft").resolve()
     assert Path(json.loads((results / "rl" / "grpo" / "seed0" / "stage.json").read_text())["inputs"]["reward_model"]) \
         == (results / "reward_model").resolve()
     report = (results / "report" / "report.md").read_text()
@@ -207,25 +249,118 @@ def test_start_from_a_given_sft_model_and_reward_model(qwen2_run, tmp_path):
     client = MlflowClient(tracking_uri=f"sqlite:///{root / 'results' / 'mlflow.db'}")
     runs = client.search_runs([client.get_experiment_by_name("user-given").experiment_id])
     tags = {r.info.run_name: r.data.tags.get("alignpipe.given_model") for r in runs}
-    assert tags["sft"] == str(given_sft) and tags["reward_model"] == str(given_rm) and tags["dpo/seed0"] is None
+    assert tags["sft"] == str(given_sft) and tags["reward_model"] == str(given_rm) and tags["rl/grpo/seed0"] is None
 
 
-def test_arithmetic_task_with_a_verifiable_reward(tmp_path):
-    """The second built-in task (config/arithmetic.yaml: exact-match reward on generated sums) on a tiny Mistral."""
-    tiny = yaml.safe_load((REPO_ROOT / "config" / "tiny.yaml").read_text())
-    config = deep_merge(yaml.safe_load((REPO_ROOT / "config" / "arithmetic.yaml").read_text()), {
-        "results_dir": str(tmp_path / "results"), "seeds": None,
-        "model": {"source": "tiny", "tiny": tiny["model"]["tiny"] | {"architecture": "mistral"}},
-        **{stage: tiny[stage] for stage in ("sft", "reward_model", "dpo")},
-        "rl": {k: v for k, v in tiny["rl"].items() if k not in ("variants", "reward")} | {"steps": 4, "eval_prompts": 8},
-        "evaluate": {"num_prompts": 16, "max_new_tokens": 8}})
-    configfile = tmp_path / "arithmetic.yaml"
-    configfile.write_text(yaml.safe_dump(config))
-    run_dag(configfile)
-    results = tmp_path / "results" / config["experiment"]
-    table = list(csv.DictReader((results / "report" / "results.csv").open()))
-    assert [row["method"] for row in table] == ["base", "sft", "dpo", "grpo"]  # config/default.yaml's models
-    assert all(0 <= float(row["reward_exact_match_mean"]) <= 1 for row in table)
-    prompts = [json.loads(line) for line in (results / "preprocess" / "prompts_eval.jsonl").open()]
-    assert all(p["input"].startswith("What is ") and p["label"].lstrip("-").isdigit() for p in prompts)
+def test_full_rlhf_chain_holds_only_its_stages(gpt2_run):
+    """config/rlhf-ppo.yaml: SFT, a reward model trained because PPO scores with it, PPO from the SFT model; no DPO."""
+    results = gpt2_run["results"]
+    assert made_stages(results) == {"base_model", "preprocess/sft", "preprocess/pairs", "preprocess/prompts", "sft",
+                                    "reward_model", "rl/ppo/seed0", "evaluate/base/seed0", "evaluate/ppo/seed0",
+                                    "report"}
+    inputs = json.loads((results / "rl" / "ppo" / "seed0" / "stage.json").read_text())["inputs"]
+    assert Path(inputs["model"]) == (results / "sft").resolve()
+    assert Path(inputs["reward_model"]) == (results / "reward_model").resolve()
+    report = (results / "report" / "report.md").read_text()
+    assert "Stages: base_model, preprocess, sft, reward_model, rl (ppo), evaluate, report; not in this experiment: " \
+           "dpo." in report and "DPO: none." in report
+
+
+ARITHMETIC_TEXTS = [f"{r['prompt']} {r['response']}" for r in arithmetic_rows("sft", 256, 0)]
+
+
+@pytest.fixture(scope="module")
+def rl_only_run(tmp_path_factory):
+    """config/rl-verifiable-reward.yaml on a tiny given instruct model (Mistral): the plan before the run, then the run."""
+    root = tmp_path_factory.mktemp("rl-only") / "rl-verifiable-reward"
+    model_dir = root.parent / "my-mistral-instruct"
+    build_user_model(model_dir, "mistral", ARITHMETIC_TEXTS, chat=True)
+    overrides = {"model": {"path": str(model_dir)}, "data": {"prompts": {"max_samples": 64}},
+                 "rl": {"steps": 4, "eval_prompts": 8, "learning_rate": 1.0e-3}, "evaluate": {"num_prompts": 16}}
+    configfile = shipped_config("rl-verifiable-reward", root, **overrides)
+    plan = snakemake(configfile, "all", "--dry-run").stdout
+    return run_result(root, run_dag(configfile)) | {"plan": plan, "configfile": configfile, "overrides": overrides,
+                                                     "model_dir": model_dir}
+
+
+def test_rl_only_experiment_holds_only_its_stages(rl_only_run):
+    """RL with a verifiable reward on a given instruct model: no SFT, no reward model, no DPO, no preference data."""
+    config = yaml.safe_load(rl_only_run["configfile"].read_text())
+    assert "preference" not in config["data"] and "sft" not in config["data"] and "dpo" not in config
+    assert planned_jobs(rl_only_run["plan"]) == {"base_model": 1, "preprocess": 1, "rl": 1, "evaluate": 2, "report": 1,
+                                                 "all": 1}
+    results = rl_only_run["results"]
+    assert made_stages(results) == {"base_model", "preprocess/prompts", "rl/grpo/seed1234", "evaluate/base/seed1234",
+                                    "evaluate/grpo/seed1234", "report"}
+    # RL starts from the given model itself (base_model), scored by the exact-match reward on the prompts' labels.
+    inputs = json.loads((results / "rl" / "grpo" / "seed1234" / "stage.json").read_text())["inputs"]
+    assert Path(inputs["model"]) == (results / "base_model").resolve() and "reward_model" not in inputs
     assert json.loads((results / "base_model" / "config.json").read_text())["model_type"] == "mistral"
+    prompts = [json.loads(line) for line in (results / "preprocess" / "prompts" / "prompts_eval.jsonl").open()]
+    assert all(p["input"].startswith("What is ") and p["label"].lstrip("-").isdigit() for p in prompts)
+    table = list(csv.DictReader((results / "report" / "results.csv").open()))
+    assert [row["method"] for row in table] == ["base", "grpo"]  # evaluate.models: every model the DAG makes
+    assert all(0 <= float(row["reward_exact_match_mean"]) <= 1 for row in table)
+    assert "perplexity_mean" not in table[0]  # no SFT dataset: no held-out responses to measure it on
+    report = (results / "report" / "report.md").read_text()
+    assert "Stages: base_model, preprocess, rl (grpo), evaluate, report; not in this experiment: sft, reward_model, " \
+           "dpo." in report
+    assert "SFT model: none (no SFT dataset): the methods start from the base model." in report
+    assert "## Reward model" not in report and "for the base model each run starts from" in report
+    client = rl_only_run["mlflow"]
+    runs = client.search_runs([client.get_experiment_by_name("rl-verifiable-reward").experiment_id])
+    report_run = next(r for r in runs if r.info.run_name == "report")
+    assert json.loads(report_run.data.tags["alignpipe.dag"])["stages"] == {"sft": False, "reward_model": False,
+                                                                            "dpo": False}
+
+
+def test_adding_dpo_to_a_finished_rl_only_experiment_plans_only_dpo(rl_only_run):
+    """DPO and its pairs added: the pairs' preprocessing, DPO, its evaluation and the report; RL, its evaluations and
+    the prompts' preprocessing stay."""
+    configfile = shipped_config("rl-verifiable-reward", rl_only_run["root"], **deep_merge(rl_only_run["overrides"], {
+        "data": {"preference": {"path": "builtin:arithmetic", "max_samples": 96, "eval_fraction": 0.2}},
+        "dpo": TINY_TRAINER}))
+    plan = snakemake(configfile, "all", "--dry-run").stdout
+    assert planned_outputs(plan, "rl-verifiable-reward") == {
+        "preprocess/pairs", "dpo/seed1234", "evaluate/dpo/seed1234", "report"}, plan[-3000:]
+
+
+def test_dpo_only_and_sft_only_experiments_plan_only_their_stages(tmp_path):
+    """A config stands on its own: a file with a model, its data and one method plans that method's stages only."""
+    arithmetic = lambda **keys: {"path": "builtin:arithmetic", "max_samples": 64} | keys
+    common = {"results_dir": str(tmp_path / "results"), "model": {"source": "tiny"},
+              "evaluate": {"rewards": ["config/rewards/exact_match.py"]}}
+    for name, config, expected in (
+            ("dpo-only", {"dpo": {}, "data": {"preference": arithmetic(), "eval": arithmetic(label_key="label")}},
+             {"preprocess": 2, "dpo": 1, "evaluate": 2}),  # pairs, eval prompts; base and dpo
+            ("sft-only", {"data": {"sft": arithmetic(), "eval": arithmetic(label_key="label")}},
+             {"preprocess": 2, "sft": 1, "evaluate": 2})):  # sft rows, eval prompts; base and sft
+        configfile = tmp_path / f"{name}.yaml"
+        configfile.write_text(yaml.safe_dump(common | config | {"experiment": name}))
+        plan = snakemake(configfile, "all", "--dry-run").stdout
+        assert planned_jobs(plan) == expected | {"base_model": 1, "report": 1, "all": 1}, plan[-3000:]
+
+
+def test_sft_then_dpo_on_the_users_pairs(qwen2_run, tmp_path):
+    """config/sft-dpo.yaml on the user's Qwen2 model and files: SFT, DPO from it; no reward model, no RL."""
+    root = tmp_path / "sft-dpo"
+    files = qwen2_run["files"]
+    configfile = shipped_config(
+        "sft-dpo", root, seed=0, model={"path": str(qwen2_run["model_dir"])},
+        data={k: files["data"][k] for k in ("sft", "preference", "eval")} | {"max_prompt_tokens": 48,
+                                                                            "max_response_tokens": 24},
+        sft=TINY_TRAINER, dpo=TINY_TRAINER | {"learning_rate": 5.0e-4},
+        evaluate={"models": ["dpo"], "rewards": [files["reward"]], "num_prompts": 16, "max_new_tokens": 16})
+    run_dag(configfile)
+    results = root / "results" / "sft-dpo"
+    # (evaluate.models: dpo only here, to save time; the default, every model, is the rl-only run's)
+    assert made_stages(results) == {"base_model", "preprocess/sft", "preprocess/pairs", "preprocess/prompts", "sft",
+                                    "dpo/seed0", "evaluate/dpo/seed0", "report"}
+    inputs = json.loads((results / "dpo" / "seed0" / "stage.json").read_text())["inputs"]
+    assert Path(inputs["model"]) == (results / "sft").resolve()
+    dpo = json.loads((results / "dpo" / "seed0" / "metrics.json").read_text())
+    assert dpo["eval_margin"] > 0, dpo  # the user's pairs: the requested word over another
+    table = list(csv.DictReader((results / "report" / "results.csv").open()))
+    assert [row["method"] for row in table] == ["dpo"]
+    report = (results / "report" / "report.md").read_text()
+    assert "Reward model: none (nothing scores with it)." in report and "RL: none." in report

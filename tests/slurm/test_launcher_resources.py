@@ -85,7 +85,10 @@ def test_slurm_profile_is_found_by_name_from_the_repository_root(tmp_path):
     link = REPO_ROOT / "slurm"
     assert link.is_symlink() and link.resolve() == (REPO_ROOT / "cluster_profiles" / "slurm").resolve()
     config = tmp_path / "c.yaml"
-    config.write_text(json.dumps({"experiment": "profile-check", "results_dir": str(tmp_path / "results")}))
+    imdb = {"path": "builtin:imdb"}  # every stage: SFT, the reward model (rl's reward), DPO and RL
+    config.write_text(json.dumps({"experiment": "profile-check", "results_dir": str(tmp_path / "results"),
+                                  "data": {role: imdb for role in ("sft", "preference", "prompts", "eval")},
+                                  "dpo": {}, "rl": {"variants": {"grpo": {"estimator": "group_norm"}}}}))
     proc = subprocess.run([str(Path(sys.executable).with_name("snakemake")), "--profile", "slurm", "all", "--configfile", str(config), "--dry-run", "--printshellcmds"],
                           cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

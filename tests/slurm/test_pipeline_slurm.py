@@ -45,6 +45,7 @@ def tiny_slurm_config(path: Path, results: Path) -> Path:
     config["sft"] |= {"epochs": SFT_EPOCHS, "checkpoint_every": CHECKPOINT_EVERY, "num_workers": 2}
     config["evaluate"]["models"] = ["base", "sft"]
     config["seeds"] = None  # each method once
+    config["dpo"] = None  # no DPO: it trains through the same launcher, Ray and DeepSpeed path as sft and reward_model
     # The GPU job's mem_gb: the memory plan (launcher/memory.py) counts 3 GB of host memory per GPU process and lets
     # them fill 85% of mem_gb; the nodes have 8000 MB.
     config["launcher"] = {"mem_gb": 3, "cpus_per_node": 2, "timeout_min": 30,
@@ -204,7 +205,7 @@ def test_cancelled_stage_reports_job_and_log_and_leaves_no_output(scenario):
     assert "[ray] cluster up: 2 node(s)" in tail, "the log's tail is in Snakemake's output"
     assert sacct(job_id, "State")[0]["State"].startswith("CANCELLED")
     results = scenario["results"]
-    assert (results / "base_model" / "stage.json").exists() and (results / "preprocess" / "stage.json").exists()
+    assert (results / "base_model" / "stage.json").exists() and (results / "preprocess" / "prompts" / "stage.json").exists()
     assert cancel["left"] == [], "a cancelled stage leaves no output (nor a .partial) behind"
     assert cancel["ray_left"] == [], f"Ray processes of the cancelled job are still running: {cancel['ray_left']}"
     rerun_jobs = [m["run"] for m in SUBMITTED.finditer(scenario["requeue"]["output"])]

@@ -7,13 +7,15 @@ from pathlib import PurePosixPath
 sys.path.insert(0, workflow.basedir)
 from launcher.code_hash import stage_code_hash
 from launcher.checks import check_before_queueing
-from launcher.config import (ConfigError, method_seeds, results_root, rl_variant, seeded_models, stage_jobs,
-                             validate_config)
+from launcher.config import (ConfigError, dag_stages, evaluate_params, method_seeds, preprocess_params,
+                             read_config_file, report_params, rl_variant, seeded_models, stage_jobs, validate_config)
 from runtime.user_data import DataError, ROLES, is_builtin, is_hub
 
 try:
     _sources = [str(f) for f in workflow.configfiles] + (["--config"] if workflow.config_settings.config else [])
     _source = " + ".join(_sources) or "config"
+    for _file in workflow.configfiles:  # Snakemake keeps the last of a key written twice: refused, with its line
+        read_config_file(_file)
     _validated = validate_config(config, source=_source)
     # Every job's resources, the users' data and the batches it must fill: a bad one stops the run here, before
     # any stage is queued, not when its stage comes up hours later. The GPU jobs' memory plan comes back as a table.
@@ -26,10 +28,12 @@ config.clear()
 config.update(_validated)
 
 RESULTS = f"{config['results_dir']}/{config['experiment']}"
-# The grid: every method (dpo, each rl variant) runs once per seed; the shared stages run once, with `seed`.
+# What the DAG holds (launcher/config.dag_stages), and the grid: every method (dpo, each rl variant) runs once per
+# seed; the shared stages run once, with `seed`.
+STAGES = dag_stages(config)
 SEEDS = method_seeds(config)
 SEEDED_MODELS = seeded_models(config)
-RL_VARIANTS = list(config["rl"]["variants"])
+RL_VARIANTS = STAGES["variants"]
 # How stages are submitted and tracked: passed to the launcher, never part of a stage's cache key.
 RUN_CONTEXT = {key: config[key] for key in ("experiment", "results_dir", "launcher", "tracking")}
 LAUNCH = "{params.launch} {params.stage:q} {params.job_io:q} {output:q} --log {log:q}"
@@ -75,9 +79,21 @@ def launch(wildcards, resources):
 
 # Which files a rule reads, where the config picks them.
 def dataset_files(wildcards):
-    """The user's dataset files and directories (not built-in or hub datasets): a changed file reruns preprocess."""
-    return [spec["path"] for spec in map(config["data"].get, ROLES)
-            if spec["path"] and not is_builtin(spec["path"]) and not is_hub(spec["path"])]
+    """The user's dataset files and directories (not built-in or hub datasets) of one preprocess job: a changed file
+    reruns that job."""
+    data = preprocess_params(config, wildcards.dataset)["data"]
+    return [spec["path"] for spec in map(data.get, ROLES)
+            if spec and spec["path"] and not is_builtin(spec["path"]) and not is_hub(spec["path"])]
+
+
+def preprocessed(dataset):
+    return f"{RESULTS}/preprocess/{dataset}"
+
+
+def start_model(wildcards=None):
+    """Where the methods and the reward model start: the SFT model, or the base model in a DAG without SFT."""
+    return f"{RESULTS}/sft" if STAGES["sft"] else f"{RESULTS}/base_model"
+
 
 
 def given_model(stage):
@@ -85,10 +101,12 @@ def given_model(stage):
     return lambda wildcards: {"given": config[stage]["from"]} if config[stage]["from"] else {}
 
 
-def evaluate_reward_inputs(wildcards):
+def evaluate_inputs(wildcards):
+    """The reward model and reward files evaluate.rewards names, and the SFT held-out rows (perplexity) if any."""
     rewards = config["evaluate"]["rewards"]
     return ({"reward_model": rules.reward_model.output[0]} if "model" in rewards else {}) | \
-        {"reward_files": [r for r in rewards if r != "model"]}
+        {"reward_files": [r for r in rewards if r != "model"]} | \
+        ({"sft_data": preprocessed("sft")} if "sft" in STAGES["datasets"] else {})
 
 
 def rl_reward_inputs(wildcards):
@@ -100,9 +118,17 @@ def model_dir(wildcards):
     if wildcards.model in SEEDED_MODELS:
         return f"{RESULTS}/dpo/seed{wildcards.seed}" if wildcards.model == "dpo" else \
             f"{RESULTS}/rl/{wildcards.model}/seed{wildcards.seed}"
-    return {"base": rules.base_model.output[0], "sft": rules.sft.output[0]}[wildcards.model]
+    return {"base": f"{RESULTS}/base_model", "sft": f"{RESULTS}/sft"}[wildcards.model]
 
 
 def evaluated_runs():
     """(model, seed) of every evaluation the report shows, in the order of evaluate.models."""
     return [(params["model"], params["seed"]) for stage, _, params in stage_jobs(config) if stage == "evaluate"]
+
+
+def report_inputs(wildcards):
+    """Every evaluation of the table and the training stages the DAG holds (each names its MLflow run)."""
+    return {"evaluations": [f"{RESULTS}/evaluate/{model}/seed{seed}" for model, seed in evaluated_runs()],
+            "sft": [f"{RESULTS}/sft"] * STAGES["sft"], "reward_model": [f"{RESULTS}/reward_model"] * STAGES["reward_model"],
+            "dpo": [f"{RESULTS}/dpo/seed{seed}" for seed in SEEDS] * STAGES["dpo"],
+            "rl": [f"{RESULTS}/rl/{variant}/seed{seed}" for variant in RL_VARIANTS for seed in SEEDS]}

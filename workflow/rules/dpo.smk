@@ -1,8 +1,8 @@
-# One DPO run per seed of the grid (`seeds`), all from the same SFT model.
+# One DPO run per seed of the grid (`seeds`), all from the same start model (SFT's, or the base model without SFT).
 rule dpo:
     input:
-        model=rules.sft.output[0],
-        data=rules.preprocess.output[0],
+        model=start_model,
+        data=preprocessed("pairs"),
     output:
         directory(f"{RESULTS}/dpo/seed{{seed}}"),
     wildcard_constraints:

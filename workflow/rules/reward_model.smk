@@ -1,8 +1,8 @@
 rule reward_model:
     input:
         unpack(given_model("reward_model")),
-        model=rules.sft.output[0],
-        data=rules.preprocess.output[0],
+        model=start_model,
+        data=preprocessed("pairs"),
     output:
         directory(f"{RESULTS}/reward_model"),
     message:

@@ -3,12 +3,12 @@
 rule rl:
     input:
         unpack(rl_reward_inputs),
-        model=rules.sft.output[0],
-        data=rules.preprocess.output[0],
+        model=start_model,
+        data=preprocessed("prompts"),
     output:
         directory(f"{RESULTS}/rl/{{variant}}/seed{{seed}}"),
     wildcard_constraints:
-        variant="|".join(RL_VARIANTS),
+        variant="|".join(RL_VARIANTS) or "(?!)",  # (no variants: no rl job)
         seed=r"\d+",
     log:
         f"{RESULTS}/logs/rl-{{variant}}-seed{{seed}}.log",

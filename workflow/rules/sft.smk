@@ -1,8 +1,8 @@
 rule sft:
     input:
         unpack(given_model("sft")),
+        unpack(lambda wc: {"data": preprocessed("sft")} if "sft" in STAGES["datasets"] else {}),
         model=rules.base_model.output[0],
-        data=rules.preprocess.output[0],
     output:
         directory(f"{RESULTS}/sft"),
     message:
