@@ -193,6 +193,12 @@ def check_consistency(config: dict, source: str) -> None:
             check_lora_targets(trainer["lora_targets"], architecture, f"{source}: {where}.lora_targets")
     for name in config["rl"]["variants"]:
         rl = trainers[f"rl.variants.{name}"]
+        if rl["dynamic_sampling"] and rl["n_samples"] < 2:
+            raise ConfigError(f"{source}: rl.variants.{name}: dynamic_sampling compares the responses of a prompt and "
+                              f"needs n_samples >= 2, got {rl['n_samples']}")
+        if rl["overlong"] == "penalty" and rl["overlong_buffer"] > rl["max_new_tokens"]:
+            raise ConfigError(f"{source}: rl.variants.{name}: overlong_buffer = {rl['overlong_buffer']} must be at most "
+                              f"max_new_tokens = {rl['max_new_tokens']}")
         if rl["estimator"] not in ("gae", "reinforce") and rl["n_samples"] < 2:
             raise ConfigError(f"{source}: rl.variants.{name}: estimator {rl['estimator']} compares the responses "
                               f"of a prompt and needs n_samples >= 2, got {rl['n_samples']}")

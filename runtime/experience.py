@@ -8,6 +8,7 @@ import dataclasses
 import statistics
 
 import torch
+import torch.nn.functional as F
 
 from runtime import losses
 from runtime.advantages import compute_advantages
@@ -34,6 +35,8 @@ class Rollout:
     prompts: list[str] | None = None  # text and labels, for a reward_fn
     completions: list[str] | None = None
     labels: list | None = None
+    truncated: list[bool] | None = None  # cut at max_new_tokens before the end of turn
+    keep: torch.Tensor | None = None  # (B,) 1 for a row the policy loss counts, 0 for one it leaves out (overlong mask)
     rollout_logp: torch.Tensor | None = None  # vLLM's log-probs of the sampled tokens
     ref_logp: torch.Tensor | None = None
     old_logp: torch.Tensor | None = None  # the policy's before this step's training; None when trains_once
@@ -43,12 +46,25 @@ class Rollout:
 
     @classmethod
     def of(cls, prompt_ids: list[list[int]], response_ids: list[list[int]], *, prompts=None, completions=None,
-           labels=None, **per_token: list[list[float]]) -> Rollout:
+           labels=None, truncated=None, **per_token: list[list[float]]) -> Rollout:
         """A record from token lists, with any per-token fields (e.g. rollout_logp) given as per-row lists."""
         width = max(map(len, response_ids))
         mask = pad_rows([[1.0] * len(r) for r in response_ids], width)
-        return cls(prompt_ids, response_ids, mask, prompts, completions, labels,
+        return cls(prompt_ids, response_ids, mask, prompts, completions, labels, truncated,
                    **{key: pad_rows(rows, width) for key, rows in per_token.items()})
+
+    @classmethod
+    def join(cls, parts: list[Rollout]) -> Rollout:
+        """The rows of several records, in order, as one (per-token tensors padded to the widest)."""
+        width = max(part.mask.shape[1] for part in parts)
+
+        def joined(values):
+            if values[0] is None:
+                return None
+            if isinstance(values[0], torch.Tensor):
+                return torch.cat([F.pad(v, (0, width - v.shape[1])) if v.dim() == 2 else v for v in values])
+            return [x for value in values for x in value]
+        return cls(*(joined([getattr(p, f.name) for p in parts]) for f in dataclasses.fields(cls)))
 
     def __len__(self) -> int:
         return len(self.response_ids)
@@ -101,7 +117,13 @@ def generate(roles, prompts: list[dict], n: int, cfg, seed: int, temperature: fl
     responses = [s["token_ids"] or [0] for _, s in samples]  # an empty response still needs one position to score
     return Rollout.of([p["prompt_ids"] for p, _ in samples], responses, prompts=[p["prompt"] for p, _ in samples],
                       completions=[s["text"] for _, s in samples], labels=[p.get("label") for p, _ in samples],
-                      rollout_logp=[(s["logprobs"] or [0.0])[:len(r)] for (_, s), r in zip(samples, responses)])
+                      truncated=[s["truncated"] for _, s in samples], rollout_logp=[(s["logprobs"] or [0.0])[:len(r)] for (_, s), r in zip(samples, responses)])
+
+
+def informative_groups(scores: list[float], n_samples: int) -> list[int]:
+    """DAPO's dynamic sampling (Yu et al. 2025, eq. 11): the prompts (groups of n_samples rows) whose responses did not
+    all score the same. A group of equal scores has zero advantage under every group estimator: it teaches nothing."""
+    return [g for g in range(len(scores) // n_samples) if len(set(scores[g * n_samples:(g + 1) * n_samples])) > 1]
 
 
 def score(roles, rollout: Rollout) -> list[float]:
@@ -134,10 +156,20 @@ def split_call(group, method: str, rollout: Rollout) -> list:
     return [result[:max(0, min(size, len(rollout) - r * size))] for r, result in enumerate(per_rank)]
 
 
-def make_experience(roles, cfg, rollout: Rollout, kl_coef: float, reward_stats: dict) -> dict:
-    """Fill the rollout's log-probs, values, advantages and returns; the step's experience metrics."""
-    raw = score(roles, rollout)
+def make_experience(roles, cfg, rollout: Rollout, kl_coef: float, reward_stats: dict,
+                    raw: list[float] | None = None) -> dict:
+    """Fill the rollout's log-probs, values, advantages and returns; the step's experience metrics. `raw`: the rows'
+    scores where the caller has them (dynamic sampling scores before it chooses the rows)."""
+    raw = score(roles, rollout) if raw is None else raw
     scores = torch.tensor(raw)
+    metrics = {}
+    if cfg.overlong == "penalty":  # DAPO's soft overlong punishment, added to the task's reward
+        penalty = losses.overlong_penalty(rollout.mask.sum(-1), cfg.max_new_tokens, cfg.overlong_buffer)
+        scores = scores + penalty
+        metrics["overlong_penalty"] = penalty.mean().item()
+    elif cfg.overlong == "mask":  # DAPO's overlong filtering: a cut response says nothing about its reward
+        rollout.keep = torch.tensor([0.0 if cut else 1.0 for cut in rollout.truncated])
+        metrics["overlong_masked"] = 1 - rollout.keep.mean().item()
     if cfg.normalize_reward:
         scores = (scores - reward_stats["mean"]) / max(reward_stats["std"], 1e-6)
     if cfg.reward_clip:
@@ -162,7 +194,8 @@ def make_experience(roles, cfg, rollout: Rollout, kl_coef: float, reward_stats: 
     rollout.advantages = advantages.float().masked_fill(padding, 0.0)
     rollout.returns = returns.float().masked_fill(padding, 0.0)
     lengths = mask.sum(-1)
-    metrics = {"reward_mean": statistics.fmean(raw), "reward_std": statistics.pstdev(raw),
+    metrics |= {"reward_mean": statistics.fmean(raw), "truncated": statistics.fmean(map(float, rollout.truncated))
+                if rollout.truncated else 0.0, "reward_std": statistics.pstdev(raw),
                "kl": (kl.sum(-1)).mean().item(), "response_length": lengths.mean().item(),
                "advantage_mean": losses.masked_mean(advantages, mask).item(),
                "advantage_std": advantages[mask.bool()].std().item() if mask.sum() > 1 else 0.0}

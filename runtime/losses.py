@@ -185,3 +185,56 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor
         values_clipped = old_values + (values - old_values).clamp(-clip, clip)
         loss = torch.max(loss, (values_clipped - returns).square())
     return 0.5 * aggregate(loss, mask, agg)
+
+
+POLICY_LOSSES = ("ppo", "gspo", "cispo")
+
+
+def gspo_policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor,
+                     clip_low: float = 3e-4, clip_high: float = 4e-4, is_weight: Tensor | None = None):
+    """GSPO (Zheng et al. 2025, "Group Sequence Policy Optimization", eqs. 5-7). Returns (loss, clip_fraction).
+
+    The importance ratio is the sequence's, length-normalised: s_i = exp(mean_t (logp - old_logp)) over the response
+    tokens, clipped per sequence to [1 - clip_low, 1 + clip_high] (the paper's ranges are ~1e-4 wide, not PPO's 0.2).
+    GSPO-token form (eq. 7): s_i,t = sg[s_i] * pi_t / sg[pi_t], equal to s_i in value, so the gradient reaches every
+    token, scaled by its sequence's ratio. Each sequence weighs the same (the mean over sequences of the mean over
+    its tokens); clip_fraction: the share of sequences whose gradient the clip removed.
+    """
+    seq_log_ratio = masked_mean(logp - old_logp, mask, dim=-1)  # (B,)
+    ratio = torch.exp(seq_log_ratio.detach().unsqueeze(-1) + logp - logp.detach())
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1 - clip_low, 1 + clip_high)
+    loss = torch.max(unclipped, clipped)
+    if is_weight is not None:
+        loss = loss * is_weight.detach()
+    sequences = mask.sum(-1) > 0
+    seq_clipped = (((clipped > unclipped) & mask.bool()).any(-1) & sequences).to(loss.dtype)
+    clip_fraction = (seq_clipped.sum() / sequences.sum().clamp(min=1)).detach()
+    return aggregate(loss, mask, "seq_mean_token_mean"), clip_fraction
+
+
+def cispo_policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor,
+                      clip_low: float = 0.2, clip_high: float = 0.2, agg: str = "token_mean",
+                      is_weight: Tensor | None = None):
+    """CISPO (MiniMax-M1, MiniMax 2025, eqs. 4-5). Returns (loss, clip_fraction).
+
+    J = E[ sg(clip(r_t, 1 - clip_low, 1 + clip_high)) * A_t * log pi(y_t) ], r_t = pi / pi_old: the importance weight
+    is clipped and detached, never the token, so every token keeps its gradient (PPO's clip drops the gradient of the
+    tokens whose ratio left the range, often the rare ones that start a new line of reasoning). Its gradient equals
+    PPO's unclipped one, -A r grad log pi, wherever the ratio is in range. clip_fraction: the share of tokens whose
+    weight was clipped.
+    """
+    ratio = torch.exp(logp - old_logp).detach()
+    weight = ratio.clamp(1 - clip_low, 1 + clip_high)
+    loss = -weight * advantages * logp
+    if is_weight is not None:
+        loss = loss * is_weight.detach()
+    clip_fraction = masked_mean((weight != ratio).to(loss.dtype), mask).detach()
+    return aggregate(loss, mask, agg), clip_fraction
+
+
+def overlong_penalty(lengths: Tensor, max_tokens: int, buffer: int) -> Tensor:
+    # DAPO's soft overlong punishment (Yu et al. 2025, eq. 13): 0 up to max_tokens - buffer tokens, then falling
+    # linearly to -1 at max_tokens: ((max_tokens - buffer) - |y|) / buffer.
+    start = max_tokens - buffer
+    return ((start - lengths.to(torch.float32)) / buffer).clamp(-1.0, 0.0)

@@ -48,8 +48,19 @@ class PolicyWorker(DeepSpeedWorker):
         is_weight = None
         if cfg.is_cap:  # truncated IS: pi_trainer_old / pi_vllm, capped (vLLM's sampler differs numerically)
             is_weight = torch.exp(old - rollout.to_batch(rollout.rollout_logp, mask)).clamp(max=cfg.is_cap) * mask
-        loss, clip_frac = losses.policy_loss(logp, old, rollout.to_batch(rollout.advantages, mask), mask,
-                                             cfg.clip_low, cfg.clip_high, cfg.dual_clip, cfg.loss_agg, is_weight)
+        advantages = rollout.to_batch(rollout.advantages, mask)
+        counted = mask  # the tokens the policy loss counts: not those of rows it leaves out (overlong mask)
+        if rollout.keep is not None:
+            counted = mask * rollout.keep.to(mask.device, mask.dtype).unsqueeze(-1)
+        if cfg.policy_loss == "gspo":
+            loss, clip_frac = losses.gspo_policy_loss(logp, old, advantages, counted, cfg.clip_low, cfg.clip_high,
+                                                      is_weight)
+        elif cfg.policy_loss == "cispo":
+            loss, clip_frac = losses.cispo_policy_loss(logp, old, advantages, counted, cfg.clip_low, cfg.clip_high,
+                                                       cfg.loss_agg, is_weight)
+        else:
+            loss, clip_frac = losses.policy_loss(logp, old, advantages, counted, cfg.clip_low, cfg.clip_high,
+                                                 cfg.dual_clip, cfg.loss_agg, is_weight)
         # The entropy over the whole vocabulary is a (B, K, V) computation: without autograd unless it is trained on.
         with torch.set_grad_enabled(torch.is_grad_enabled() and bool(cfg.entropy_coef)):
             entropy = losses.masked_mean(entropy_from_logits(logits), mask)

@@ -138,9 +138,10 @@ class VLLMEngine:
 
     def generate(self, prompt_token_ids: list[list[int]], n: int, temperature: float, top_p: float,
                  max_new_tokens: int, seed: int, ignore_eos: bool = False) -> list[list[dict]]:
-        """Samples per prompt: [[{"token_ids", "text", "logprobs"} x n] x prompts], logprobs being vLLM's
-        log-probability of each sampled token; request i is seeded with seed + i, so results do not depend
-        on batching. `ignore_eos`: every response runs to max_new_tokens (benchmarks)."""
+        """Samples per prompt: [[{"token_ids", "text", "logprobs", "truncated"} x n] x prompts], logprobs being
+        vLLM's log-probability of each sampled token, truncated whether max_new_tokens cut the response before its
+        end of turn; request i is seeded with seed + i, so results do not depend on batching. `ignore_eos`: every
+        response runs to max_new_tokens (benchmarks)."""
         from vllm import SamplingParams, TokensPrompt
         params = [SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_new_tokens, seed=seed + i,
                                  logprobs=0, ignore_eos=ignore_eos,
@@ -148,7 +149,7 @@ class VLLMEngine:
                   for i in range(len(prompt_token_ids))]
         prompts = [TokensPrompt(prompt_token_ids=ids) for ids in prompt_token_ids]
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
-        return [[{"token_ids": list(c.token_ids), "text": c.text,
+        return [[{"token_ids": list(c.token_ids), "text": c.text, "truncated": c.finish_reason == "length",
                   "logprobs": [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs or [])]}
                  for c in out.outputs] for out in outputs]
 

@@ -4,8 +4,9 @@ One driver (this module's `run`) and actor groups: policy (DeepSpeed ZeRO ranks,
 `gae` only, DeepSpeed), reference (frozen), reward (the reward-model stage's output, or a Python file exposing
 `reward_fn(prompts, completions, labels) -> scores`) and a vLLM rollout engine. Each step:
 
-    generate (vLLM, n samples per prompt) -> make experience (old/reference log-probs, rewards, values,
-    KL, advantages) -> train (clipped policy loss; value loss) -> weight sync (trainer -> vLLM)
+    generate (vLLM, n samples per prompt; with dynamic_sampling, more prompts until the groups are informative)
+    -> make experience (old/reference log-probs, rewards, values, KL, advantages) -> train (PPO's clipped, GSPO's or
+    CISPO's policy loss; value loss) -> weight sync (trainer -> vLLM)
 
 and a checkpoint every `checkpoint_every` steps; a restart resumes from the latest with the same prompt order.
 One config names several variants (e.g. grpo, ppo); each is a separate run of this stage.
@@ -23,7 +24,7 @@ import ray
 
 from runtime import checkpoints, data, trainer
 from runtime.actor_group import ActorGroup
-from runtime.experience import Rollout, generate, make_experience, score
+from runtime.experience import Rollout, generate, informative_groups, make_experience, score
 from runtime.models import load_tokenizer
 from runtime.progress import Progress
 from runtime.rl_actors import Roles
@@ -56,6 +57,11 @@ class Config(trainer.TrainerConfig):
     gamma: float
     lam: float
     loss_agg: str
+    policy_loss: str
+    dynamic_sampling: bool
+    max_generation_rounds: int
+    overlong: str
+    overlong_buffer: int
     normalize_reward: bool
     reward_clip: float | None
     is_cap: float | None
@@ -91,6 +97,43 @@ def sync_weights(roles: Roles) -> None:
     roles.policy.call("send_weights", roles.engines, roles.weight_mode)
     if roles.weight_mode != "memory":
         ray.get([engine.finish_weight_update.remote() for engine in roles.engines])
+
+
+def next_prompts(count: int, order: list[dict], prompts: list[dict], rng: random.Random) -> tuple[list, list]:
+    """The next `count` prompts of the run's order, and the order left: passes over the prompts, each in a seeded
+    order, none twice in a pass, none skipped."""
+    while len(order) < count:
+        fresh = prompts[:]
+        rng.shuffle(fresh)
+        order = order + fresh
+    return order[:count], order[count:]
+
+
+def sample_step(roles, cfg: Config, batch: list[dict], draw, seed: int) -> tuple[Rollout, list | None, list, dict]:
+    """The step's rollout for `batch`, its raw scores (None: not scored yet) and the prompts it used. With dynamic_sampling (DAPO), groups
+    whose responses all scored the same are set aside and `draw(k)` gives k more prompts, for up to
+    max_generation_rounds rounds; if the informative groups are still too few, set-aside groups fill the batch
+    (their advantage is 0: they change nothing)."""
+    rollout = generate(roles, batch, cfg.n_samples, cfg, seed, cfg.temperature)
+    if not cfg.dynamic_sampling:
+        return rollout, None, batch, {}  # (scored in make_experience)
+    raw = score(roles, rollout)
+    n, kept, spare, rounds = cfg.n_samples, [], [], 0
+    while True:
+        useful = set(informative_groups(raw, n))
+        for g, prompt in enumerate(batch):
+            (kept if g in useful else spare).append((rollout[g * n:(g + 1) * n], raw[g * n:(g + 1) * n], prompt))
+        rounds += 1
+        if len(kept) >= cfg.rollout_batch_size or rounds == cfg.max_generation_rounds:
+            break
+        batch = draw(cfg.rollout_batch_size - len(kept))
+        rollout = generate(roles, batch, n, cfg, seed + 1_000_003 * rounds, cfg.temperature)
+        raw = score(roles, rollout)
+    chosen = (kept + spare)[:cfg.rollout_batch_size]
+    stats = {"groups_informative": min(len(kept), cfg.rollout_batch_size), "groups_set_aside": len(spare),
+             "generation_rounds": rounds}
+    return (Rollout.join([part for part, _, _ in chosen]), [s for _, scores, _ in chosen for s in scores],
+            [prompt for _, _, prompt in chosen], stats)
 
 
 def adapt_kl(kl_coef: float, kl: float, cfg: Config) -> float:
@@ -129,33 +172,36 @@ def run(cfg: Config, inputs: dict, output: Path, tracker) -> None:
     ckpt_dir = tracker.checkpoint_dir if cfg.checkpoint_every else None
 
     step, log, kl_coef = 0, [], cfg.kl_coef
+    rng, order = random.Random(cfg.seed), []  # the prompts' order: passes over them, each seeded
     if resumed := checkpoints.resume(ckpt_dir, roles.trainers, "rl"):
         step, state = resumed
         log, kl_coef, eval_before = state["log"], state["kl_coef"], state["eval_reward_before"]
+        # Where the order stood (dynamic sampling draws a varying number of prompts per step): same prompts next.
+        by_id = {p["id"]: p for p in prompts}
+        order = [by_id[i] for i in state["order"]]
+        version, internal, gauss = state["order_rng"]
+        rng.setstate((version, tuple(internal), gauss))
         sync_weights(roles)
         tracker.log_metrics({"resumed_from_step": step}, step=step)
     else:
         eval_before = held_out_reward(roles, cfg, eval_prompts)
         tracker.log_metrics({"eval_reward": eval_before}, step=0)
 
-    rng = random.Random(cfg.seed)
-    order: list[dict] = []
+    def draw(count: int) -> list[dict]:
+        nonlocal order
+        drawn, order = next_prompts(count, order, prompts, rng)
+        return drawn
+
     progress = Progress(f"rl/{cfg.name}", cfg.steps)
-    for s in range(cfg.steps):
-        if len(order) < cfg.rollout_batch_size:  # a new pass over the prompts, in a seeded order
-            fresh = prompts[:]
-            rng.shuffle(fresh)
-            order = order + fresh
-        batch, order = order[:cfg.rollout_batch_size], order[cfg.rollout_batch_size:]
+    for s in range(step, cfg.steps):
+        batch = draw(cfg.rollout_batch_size)
         train_rng = random.Random(cfg.seed * 1_000_003 + s)
-        if s < step:
-            continue  # replayed to reach the resumed position: same prompts, none twice, none skipped
         timings = {}
         t0 = time.perf_counter()
-        rollout = generate(roles, batch, cfg.n_samples, cfg, sampling_seed(cfg.seed, f"step {s}"), cfg.temperature)
+        rollout, raw, batch, metrics = sample_step(roles, cfg, batch, draw, sampling_seed(cfg.seed, f"step {s}"))
         timings["time_generate"] = time.perf_counter() - t0
         t0 = time.perf_counter()
-        metrics = make_experience(roles, cfg, rollout, kl_coef, reward_stats)
+        metrics |= make_experience(roles, cfg, rollout, kl_coef, reward_stats, raw)
         timings["time_make_experience"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         metrics |= train_on(roles.policy, cfg, rollout, train_rng)
@@ -173,7 +219,8 @@ def run(cfg: Config, inputs: dict, output: Path, tracker) -> None:
         progress.update(step, reward=metrics["reward_mean"], kl=metrics["kl"], clip=metrics["clip_fraction"])
         if ckpt_dir and step % cfg.checkpoint_every == 0 and step < cfg.steps:
             checkpoints.save(ckpt_dir, step, roles.trainers,
-                             {"log": log, "kl_coef": kl_coef, "eval_reward_before": eval_before}, cfg.keep_checkpoints)
+                             {"log": log, "kl_coef": kl_coef, "eval_reward_before": eval_before,
+                              "order": [p["id"] for p in order], "order_rng": rng.getstate()}, cfg.keep_checkpoints)
 
     eval_after = held_out_reward(roles, cfg, eval_prompts)
     tracker.log_metrics({"eval_reward": eval_after, "eval_reward_before": eval_before, "final_kl": log[-1]["kl"]},

@@ -5,7 +5,7 @@ import pickle
 import pytest
 import torch
 
-from runtime.experience import Rollout
+from runtime.experience import Rollout, informative_groups
 from runtime.logprobs import pad_prompt_response
 
 
@@ -48,3 +48,20 @@ def test_batch_positions_round_trip():
     laid = r.to_batch(r.rollout_logp, mask)
     assert laid.shape == mask.shape and laid[mask.bool()].tolist() == r.rollout_logp[r.mask.bool()].tolist()
     assert torch.equal(r.from_batch(laid, mask), r.rollout_logp)
+
+
+def test_dynamic_sampling_keeps_groups_whose_scores_differ():
+    """Groups of 3: all 0 (set aside), mixed (kept), all 1 (set aside), mixed with a repeat (kept)."""
+    scores = [0, 0, 0, 1, 0, 1, 1, 1, 1, 0.5, 0.5, 0.2]
+    assert informative_groups(scores, 3) == [1, 3]
+    assert informative_groups([1.0, 1.0], 2) == [] and informative_groups([], 4) == []
+
+
+def test_join_pads_to_the_widest_row():
+    first, second = rollout()[0:2], Rollout.of([[9]], [[1, 2, 3, 4]], prompts=["d"], completions=["w"], labels=[2],
+                                                truncated=[True], rollout_logp=[[-1.0, -1.0, -1.0, -1.0]])
+    first.truncated = [False, False]
+    joined = Rollout.join([first, second])
+    assert len(joined) == 3 and joined.mask.shape == joined.rollout_logp.shape == (3, 4)
+    assert joined.mask.tolist() == [[1, 1, 1, 0], [1, 0, 0, 0], [1, 1, 1, 1]]
+    assert joined.prompts == ["a", "b", "d"] and joined.truncated == [False, False, True] and joined.ref_logp is None

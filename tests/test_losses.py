@@ -6,8 +6,9 @@ import torch
 
 from stages.evaluate import token_kl
 from runtime.logprobs import entropy_from_logits, token_logprobs
-from runtime.losses import (aggregate, dpo_loss, ipo_loss, kl_estimate, kto_loss, masked_mean, pairwise_logexp_loss,
-                           pairwise_sigmoid_loss, policy_loss, sequence_nll, simpo_loss, value_loss)
+from runtime.losses import (aggregate, cispo_policy_loss, dpo_loss, gspo_policy_loss, ipo_loss, kl_estimate, kto_loss,
+                           masked_mean, overlong_penalty, pairwise_logexp_loss, pairwise_sigmoid_loss, policy_loss,
+                           sequence_nll, simpo_loss, value_loss)
 
 
 def t(x):
@@ -252,3 +253,48 @@ def test_value_loss():
     # clip 0.1: V_clip = 0.9, 1.1, 1.1 -> errors 0.36, 0.01, 0.16; max with unclipped: 0.36, 1.0, 0.16
     close(value_loss(values, old, returns, mask, clip=0.1), 0.5 * (0.36 + 1.0 + 0.16) / 3)
     close(value_loss(values, old, returns, mask, clip=0.1, agg="seq_mean_token_sum"), 0.5 * (0.36 + 1.0 + 0.16))
+
+
+def test_gspo_sequence_ratio_clip_and_gradient():
+    """Hand-derived: tokens with log-ratios 0.1 and 0.3 give the sequence ratio s = exp(0.2) = 1.2214 (their mean,
+    length-normalised); at clip_high 0.1 a positive advantage is clipped (loss -1.1, no gradient), a negative one is
+    not (loss 1.2214, each token's gradient s / 2: the sequence's ratio spread over its 2 tokens)."""
+    old = torch.log(torch.tensor([[0.5, 0.5], [0.5, 0.5]]))
+    logp = (old + torch.tensor([[0.1, 0.3], [0.1, 0.3]])).requires_grad_()
+    mask = torch.ones(2, 2)
+    for advantage, value, grad, clipped in ((1.0, -1.1, 0.0, 1.0), (-1.0, math.exp(0.2), math.exp(0.2) / 2, 0.0)):
+        logp.grad = None
+        loss, clip_fraction = gspo_policy_loss(logp, old, torch.full((2, 2), advantage), mask, 0.1, 0.1)
+        loss.backward()
+        assert loss.item() == pytest.approx(value, abs=1e-6) and clip_fraction.item() == clipped
+        assert logp.grad[0].tolist() == pytest.approx([grad / 2, grad / 2], abs=1e-6)  # mean over the 2 sequences
+    # Padding changes nothing: a third token masked out, whatever its log-ratio.
+    padded_logp = torch.cat([logp.detach(), torch.full((2, 1), 5.0)], 1)
+    padded = gspo_policy_loss(padded_logp, torch.cat([old, torch.zeros(2, 1)], 1), torch.full((2, 3), -1.0),
+                              torch.tensor([[1.0, 1, 0], [1, 1, 0]]), 0.1, 0.1)[0]
+    assert padded.item() == pytest.approx(math.exp(0.2), abs=1e-6)
+
+
+def test_cispo_clips_the_weight_never_the_token():
+    """Hand-derived: ratio 2 (logp = log 0.5, old = log 0.25) at clip_high 0.28: weight 1.28 (detached), loss
+    -1.28 * A * log 0.5 = 0.8873 for A = 1, gradient -1.28 * A: the token keeps its gradient where PPO's clip drops it."""
+    old = torch.log(torch.tensor([[0.25, 0.5]]))
+    logp = torch.log(torch.tensor([[0.5, 0.5]])).requires_grad_()
+    advantages, mask = torch.tensor([[1.0, 1.0]]), torch.tensor([[1.0, 0.0]])
+    loss, clip_fraction = cispo_policy_loss(logp, old, advantages, mask, 0.2, 0.28)
+    loss.backward()
+    assert loss.item() == pytest.approx(-1.28 * math.log(0.5), abs=1e-6) and clip_fraction.item() == 1.0
+    assert logp.grad[0].tolist() == pytest.approx([-1.28, 0.0], abs=1e-6)
+    ppo = logp.detach().clone().requires_grad_()
+    policy_loss(ppo, old, advantages, mask, 0.2, 0.28)[0].backward()
+    assert ppo.grad.tolist() == [[0.0, 0.0]]  # PPO: the clipped token's gradient is gone
+    # In range, CISPO's gradient is PPO's unclipped one, -A * ratio: ratio exp(0.1) at A = -2.
+    inside = (old + 0.1).requires_grad_()
+    cispo_policy_loss(inside, old, torch.full((1, 2), -2.0), torch.ones(1, 2), 0.2, 0.28)[0].backward()
+    assert inside.grad[0].tolist() == pytest.approx([math.exp(0.1)] * 2, abs=1e-6)  # -A * ratio / 2 tokens
+
+
+def test_overlong_penalty():
+    """DAPO eq. 13 with max_tokens 10 and a buffer of 4: 0 up to 6 tokens, then -1/4 per token, -1 at 10."""
+    lengths = torch.tensor([3, 6, 7, 8, 10])
+    assert overlong_penalty(lengths, 10, 4).tolist() == [0.0, 0.0, -0.25, -0.5, -1.0]

@@ -1,7 +1,9 @@
-"""Two RL runs with the params and inputs of the tiny experiment's grpo run, but 8 steps: one straight through,
-one interrupted after a checkpoint (as a timeout or preemption would: submitit's signal, then a requeue). The
-interrupted run must resume from its checkpoint and match the straight run step by step: the same prompts and
-the same metrics within RL_TOLERANCE (its steps before the interruption are a plain rerun: reproducibility)."""
+"""Two RL runs with the params and inputs of the tiny experiment's grpo run, but 8 steps and DAPO's dynamic sampling
+(which draws a varying number of prompts per step: the checkpoint keeps where the prompts' order stands): one
+straight through, one interrupted after a checkpoint (as a timeout or preemption would: submitit's signal, then a
+requeue). The interrupted run must resume from its checkpoint and match the straight run step by step: the same
+prompts and the same metrics within RL_TOLERANCE (its steps before the interruption are a plain rerun:
+reproducibility)."""
 import json
 import signal
 import time
@@ -15,6 +17,7 @@ pytestmark = pytest.mark.e2e
 # The interruption comes after the first checkpoint: 6 steps after it leave time to signal the job even where a
 # tiny step takes 0.2 s.
 STEPS, EVERY = 8, 2
+DYNAMIC = {"dynamic_sampling": True, "max_generation_rounds": 2}
 RL_TOLERANCE = 1e-6  # docs/reproducibility.md
 COMPARED = ("reward_mean", "reward_std", "kl", "policy_loss", "entropy", "response_length", "advantage_mean")
 
@@ -35,9 +38,9 @@ def test_interrupted_rl_run_resumes_and_matches_a_straight_run(tiny_run, tmp_pat
     first = tiny_run["results"] / "rl" / "grpo" / "seed0"
     # The two runs at once (independent jobs; each stage's threads are its own): the straight one is awaited below.
     straight, straight_out, _ = submit_again(tiny_run, first, tmp_path / "straight", "tiny-straight", steps=STEPS,
-                                             checkpoint_every=EVERY)
+                                             checkpoint_every=EVERY, **DYNAMIC)
     job, output, checkpoints = submit_again(tiny_run, first, tmp_path / "interrupted", steps=STEPS,
-                                            checkpoint_every=EVERY)
+                                            checkpoint_every=EVERY, **DYNAMIC)
     deadline = time.time() + 900
     while not (checkpoints / "latest.json").exists():
         assert not job.done(), f"the job ended before its first checkpoint:\n{job.stdout()}"
@@ -53,8 +56,11 @@ def test_interrupted_rl_run_resumes_and_matches_a_straight_run(tiny_run, tmp_pat
                if line.startswith("[rl] resumed from checkpoint at step")]
     assert resumed and resumed[0] >= EVERY and resumed[0] % EVERY == 0, log_text[-3000:]
     assert_same_run(read_log(output), read_log(straight_out))
-    uninterrupted = read_log(first)  # the 32-step run draws the same prompts in its first steps
-    assert [s["prompt_ids"] for s in read_log(output)] == [s["prompt_ids"] for s in uninterrupted[:STEPS]]
+    log = read_log(output)
+    assert all(s["generation_rounds"] >= 1 and s["groups_informative"] + s["groups_set_aside"] >= 8 for s in log)
+    if not any(s["groups_set_aside"] for s in log):  # no group set aside: the prompts of the plain 32-step run
+        uninterrupted = read_log(first)
+        assert [s["prompt_ids"] for s in log] == [s["prompt_ids"] for s in uninterrupted[:STEPS]]
     metrics = json.loads((output / "metrics.json").read_text())
     assert metrics["steps"] == STEPS
     assert metrics["eval_reward"] == pytest.approx(json.loads((straight_out / "metrics.json").read_text())["eval_reward"],

@@ -99,7 +99,10 @@ def user_config(root: Path, model_dir: Path, files: dict, chat: bool, ppo: dict 
         experiment=root.name, seeds=None, model={"path": str(model_dir)}, data=data,
         sft={"lora_rank": 4, "lora_alpha": 8}, reward_model={"lora_rank": 4, "lora_alpha": 8, "lora_targets": "all-linear"},
         rl={"steps": 4, "eval_prompts": 8, "reward": files["reward"],
-            "variants": {"grpo": {"estimator": "group_norm"}, "ppo": {"estimator": "gae", "reward": "model", "lora_rank": 4} | (ppo or {})}},
+            # grpo with GSPO's sequence-level loss (its paper's clip range) and DAPO's overlong mask
+            "variants": {"grpo": {"estimator": "group_norm", "policy_loss": "gspo", "clip_low": 3e-4, "clip_high": 4e-4,
+                                  "overlong": "mask"},
+                         "ppo": {"estimator": "gae", "reward": "model", "lora_rank": 4} | (ppo or {})}},
         evaluate={"models": list(EVALUATED), "rewards": [files["reward"], "model"]})
     root.mkdir(parents=True, exist_ok=True)
     return write_config(root / "config.yaml", root / "results", **(settings | overrides))
@@ -113,6 +116,10 @@ def shipped_config(name: str, root: Path, **overrides) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     (root / "config.yaml").write_text(yaml.safe_dump(config))
     return root / "config.yaml"
+
+
+def data_rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.open()]
 
 
 def made_stages(results: Path) -> set[str]:
@@ -194,6 +201,17 @@ def test_users_model_data_and_reward_through_the_whole_dag(request, run_name, ar
     assert f"LoRA r4 on {', '.join(every)}:" in (results / "logs" / "reward_model.log").read_text()  # all-linear
 
 
+def test_gspo_and_the_overlong_mask_through_the_real_parts(qwen2_run):
+    """The qwen2 run's grpo: GSPO's loss (clip fraction per sequence) and DAPO's overlong mask, every step."""
+    log = data_rows(qwen2_run["results"] / "rl" / "grpo" / "seed0" / "train_log.jsonl")
+    assert len(log) == 4 and all(math.isfinite(s["policy_loss"]) and 0 <= s["clip_fraction"] <= 1 for s in log)
+    assert all(s["overlong_masked"] == pytest.approx(s["truncated"]) for s in log)  # a cut row is a masked row
+    client = qwen2_run["mlflow"]
+    [run] = client.search_runs([client.get_experiment_by_name("user-qwen2").experiment_id],
+                               "attributes.run_name = 'rl/grpo/seed0'")
+    assert run.data.params["rl.policy_loss"] == "gspo" and run.data.params["rl.overlong"] == "mask"
+
+
 def test_cluster_settings_run_on_cpu(qwen2_run):
     """The qwen2 run's PPO: two vLLM engines, reference and reward model each sharded (ZeRO-3) over two ranks."""
     record = json.loads((qwen2_run["results"] / "rl" / "ppo" / "seed0" / "stage.json").read_text())
@@ -226,8 +244,9 @@ def test_start_from_a_given_sft_model_and_reward_model(qwen2_run, tmp_path):
     configfile = user_config(
         root, qwen2_run["model_dir"], qwen2_run["files"], chat=True, sft={"from": str(given_sft)},
         reward_model={"from": str(given_rm)}, dpo=None,
-        rl={"steps": 2, "eval_prompts": 8, "reward": "model", "variants": {"grpo": {"estimator": "group_norm"}}},
-        evaluate={"models": ["sft", "grpo"], "rewards": ["model"]})
+        rl={"steps": 2, "eval_prompts": 8, "reward": "model",
+            "variants": {"grpo": {"estimator": "group_norm", "policy_loss": "cispo"}}},  # CISPO's loss
+        evaluate={"models": ["grpo"], "rewards": ["model"]})
     proc = run_dag(configfile)
     assert f"sft: using the given model {given_sft} (not trained)" in proc.stdout + proc.stderr
     results = root / "results" / "user-given"
@@ -241,6 +260,7 @@ def test_start_from_a_given_sft_model_and_reward_model(qwen2_run, tmp_path):
     assert rm["eval_accuracy"] == trained["eval_accuracy"] and rm["reward_mean"] == pytest.approx(trained["reward_mean"])
     inputs = json.loads((results / "rl" / "grpo" / "seed0" / "stage.json").read_text())["inputs"]
     assert Path(inputs["model"]) == (results / "sft").resolve()
+    assert all(math.isfinite(s["policy_loss"]) for s in data_rows(results / "rl" / "grpo" / "seed0" / "train_log.jsonl"))
     assert Path(json.loads((results / "rl" / "grpo" / "seed0" / "stage.json").read_text())["inputs"]["reward_model"]) \
         == (results / "reward_model").resolve()
     report = (results / "report" / "report.md").read_text()
@@ -296,6 +316,15 @@ def test_rl_only_experiment_holds_only_its_stages(rl_only_run):
     inputs = json.loads((results / "rl" / "grpo" / "seed1234" / "stage.json").read_text())["inputs"]
     assert Path(inputs["model"]) == (results / "base_model").resolve() and "reward_model" not in inputs
     assert json.loads((results / "base_model" / "config.json").read_text())["model_type"] == "mistral"
+    # DAPO's recipe of the config: dynamic sampling (a tiny random model answers almost nothing right: most groups
+    # score all 0 and are set aside; a step ends once 8 groups differ or after max_generation_rounds, then fills up
+    # with set-aside groups) and the overlong penalty, logged every step.
+    log = data_rows(results / "rl" / "grpo" / "seed1234" / "train_log.jsonl")
+    for step in log:
+        assert 1 <= step["generation_rounds"] <= 3 and step["groups_informative"] <= 8, step
+        assert step["groups_informative"] == 8 or step["generation_rounds"] == 3, step
+        assert step["groups_informative"] + step["groups_set_aside"] >= 8 and -1 <= step["overlong_penalty"] <= 0
+    assert any(step["groups_set_aside"] for step in log)
     prompts = [json.loads(line) for line in (results / "preprocess" / "prompts" / "prompts_eval.jsonl").open()]
     assert all(p["input"].startswith("What is ") and p["label"].lstrip("-").isdigit() for p in prompts)
     table = list(csv.DictReader((results / "report" / "results.csv").open()))
