@@ -110,10 +110,10 @@ def next_prompts(count: int, order: list[dict], prompts: list[dict], rng: random
 
 
 def sample_step(roles, cfg: Config, batch: list[dict], draw, seed: int) -> tuple[Rollout, list | None, list, dict]:
-    """The step's rollout for `batch`, its raw scores (None: not scored yet) and the prompts it used. With dynamic_sampling (DAPO), groups
-    whose responses all scored the same are set aside and `draw(k)` gives k more prompts, for up to
-    max_generation_rounds rounds; if the informative groups are still too few, set-aside groups fill the batch
-    (their advantage is 0: they change nothing)."""
+    """The step's rollout for `batch`, its raw scores (None: not scored yet) and the prompts it used. With
+    dynamic_sampling (DAPO), groups whose responses all scored the same are set aside and `draw(k)` gives k more
+    prompts, for up to max_generation_rounds rounds; if the informative groups are still too few, set-aside groups
+    fill the batch (their advantage is 0: they change nothing)."""
     rollout = generate(roles, batch, cfg.n_samples, cfg, seed, cfg.temperature)
     if not cfg.dynamic_sampling:
         return rollout, None, batch, {}  # (scored in make_experience)
