@@ -118,9 +118,10 @@ def check_batches(config: dict, source: str) -> None:
     for the token limits are dropped later), so what is refused here would fail in its job. Local files are
     counted, built-in datasets sized; a hub dataset is bounded by its max_samples only (nothing is downloaded)."""
     checks = []  # (key, batch, role, what the batch counts)
+    trained = trained_stages(config)  # (not a given model, nor a stage the DAG does not hold)
     for stage, role, what in (("sft", "sft", "training rows"), ("reward_model", "preference", "training pairs"),
                               ("dpo", "preference", "training pairs")):
-        if stage in trained_stages(config):  # (not a given model, nor a stage the DAG does not hold)
+        if stage in trained:
             checks.append((f"{stage}.batch_size", config[stage]["batch_size"], role, what))
     variants = config["rl"]["variants"]
     inheriting = [name for name in variants if "rollout_batch_size" not in variants[name]]

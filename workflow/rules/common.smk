@@ -95,7 +95,6 @@ def start_model(wildcards=None):
     return f"{RESULTS}/sft" if STAGES["sft"] else f"{RESULTS}/base_model"
 
 
-
 def given_model(stage):
     """The model the config gives a stage instead of training one (`<stage>.from`), as its input `given`."""
     return lambda wildcards: {"given": config[stage]["from"]} if config[stage]["from"] else {}
@@ -121,14 +120,10 @@ def model_dir(wildcards):
     return {"base": f"{RESULTS}/base_model", "sft": f"{RESULTS}/sft"}[wildcards.model]
 
 
-def evaluated_runs():
-    """(model, seed) of every evaluation the report shows, in the order of evaluate.models."""
-    return [(params["model"], params["seed"]) for stage, _, params in stage_jobs(config) if stage == "evaluate"]
-
-
 def report_inputs(wildcards):
-    """Every evaluation of the table and the training stages the DAG holds (each names its MLflow run)."""
-    return {"evaluations": [f"{RESULTS}/evaluate/{model}/seed{seed}" for model, seed in evaluated_runs()],
-            "sft": [f"{RESULTS}/sft"] * STAGES["sft"], "reward_model": [f"{RESULTS}/reward_model"] * STAGES["reward_model"],
-            "dpo": [f"{RESULTS}/dpo/seed{seed}" for seed in SEEDS] * STAGES["dpo"],
-            "rl": [f"{RESULTS}/rl/{variant}/seed{seed}" for variant in RL_VARIANTS for seed in SEEDS]}
+    """The outputs of every evaluation (in the order of evaluate.models) and training stage the DAG holds, by stage
+    (launcher/config.stage_jobs); each names its MLflow run."""
+    runs = {"evaluate": [], "sft": [], "reward_model": [], "dpo": [], "rl": []}
+    for stage, run_name, _ in stage_jobs(config):
+        runs.get(stage, []).append(f"{RESULTS}/{run_name}")
+    return {"evaluations": runs.pop("evaluate")} | runs
