@@ -9,7 +9,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from launcher.config import ConfigError, check_dag_data, results_root, stage_jobs, trained_stages
+from launcher.config import (REPO_ROOT, RESULTS_FILES, RESULTS_MARKER, ConfigError, check_dag_data, results_root,
+                             stage_jobs, trained_stages)
 from launcher.memory import check_memory
 from launcher.resources import FOREIGN_RESOURCES, RESOURCE_KEYS, check_stages
 from runtime.builtin_data import review_pool_sizes
@@ -23,6 +24,7 @@ def check_before_queueing(config: dict, source: str, resource_settings) -> str |
     """Every check a validated config gets before the DAG runs; ConfigError or DataError naming the key. What
     check_datasets remembers (its cache) is written only once every check has passed. Returns the memory plan of
     the GPU jobs as a table (launcher/memory.py), None without GPU jobs."""
+    check_output_dirs(config, source)
     check_dag_data(config, source)
     problems = check_stages(stage_jobs(config), config["launcher"],
                             lambda rule: profile_resources(resource_settings, rule))
@@ -41,6 +43,40 @@ def check_before_queueing(config: dict, source: str, resource_settings) -> str |
             checked.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(staged, checked)
     return memory_plan
+
+
+# Directories that hold a system's or everyone's files: never a results or checkpoint directory.
+SYSTEM_DIRS = {Path(p) for p in ("/", "/bin", "/boot", "/dev", "/etc", "/home", "/lib", "/lib32", "/lib64", "/media",
+                                 "/mnt", "/opt", "/proc", "/root", "/run", "/sbin", "/srv", "/sys", "/tmp", "/usr",
+                                 "/var", "/var/tmp", "/scratch")}
+
+
+def check_output_dirs(config: dict, source: str) -> None:
+    """results_dir and launcher.checkpoint_dir: stages write (and replace their own outputs) there, so each must be
+    new, empty or alignpipe's own (its marker, or what alignpipe writes there), never a system directory, a home
+    directory or a folder of the repository other than results/; and no experiment takes the name of a file of
+    results_dir itself."""
+    if config["experiment"] in RESULTS_FILES:
+        raise ConfigError(f"{source}: experiment = {config['experiment']!r} is the name of a file of results_dir "
+                          f"itself ({', '.join(RESULTS_FILES)}); choose another name")
+    chosen = [("results_dir", config["results_dir"], ("mlflow.db", "mlartifacts", config["experiment"])),
+              ("launcher.checkpoint_dir", config["launcher"]["checkpoint_dir"], (config["experiment"],))]
+    for key, value, alignpipes in chosen:
+        if value is None:
+            continue
+        path = (REPO_ROOT / value).resolve()
+        inside_repo = path == REPO_ROOT or REPO_ROOT in path.parents
+        if path in SYSTEM_DIRS or path == Path.home().resolve() or len(path.parts) < 3 and not inside_repo:
+            raise ConfigError(f"{source}: {key} = {value!r} ({path}) is a system or home directory; alignpipe writes "
+                              "into it and replaces what its stages made there: give a directory of its own, e.g. "
+                              f"{Path.home() / 'alignpipe-results'}")
+        if inside_repo and path.relative_to(REPO_ROOT).parts[:1] != ("results",):
+            raise ConfigError(f"{source}: {key} = {value!r} ({path}) is a folder of the repository; inside it only "
+                              "results/ (the default) and what lies below it are for results")
+        if path.is_dir() and not (path / RESULTS_MARKER).exists() and not any(
+                (path / name).exists() for name in alignpipes) and any(path.iterdir()):
+            raise ConfigError(f"{source}: {key} = {value!r} ({path}) holds files that alignpipe did not write (no "
+                              f"{RESULTS_MARKER} there); give a new or empty directory, or one alignpipe wrote before")
 
 
 def profile_resources(settings, rule: str) -> dict:

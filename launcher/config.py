@@ -6,13 +6,15 @@ Imported by the Snakefile, so it must stay light (no torch, no ray).
 import copy
 import json
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import jsonschema
 import yaml
 
 from runtime.models import LINEAR_LAYERS
-from runtime.rewards import RewardFileError, load_reward_fn
 from runtime.tracking import TrackingURIError, check_tracking_uri, config_hash
 from runtime.user_data import is_hub, repo_path
 
@@ -110,6 +112,9 @@ def validate_config(raw: dict | None, source: str = "config") -> dict:
     problems += [_describe(e, schema, source) for e in errors]
     if problems:
         raise ConfigError("invalid experiment config\n" + "\n".join("  " + p for p in problems))
+    for key, where in (("results_dir", config), ("checkpoint_dir", config["launcher"])):
+        if where[key] is not None:  # (Snakemake and the shell take a path as written: `~` would be a folder)
+            where[key] = os.path.expanduser(where[key])
     resolve_evaluation(config)
     check_consistency(config, source)
     return config
@@ -196,6 +201,12 @@ def check_consistency(config: dict, source: str) -> None:
         if rl["dynamic_sampling"] and rl["n_samples"] < 2:
             raise ConfigError(f"{source}: rl.variants.{name}: dynamic_sampling compares the responses of a prompt and "
                               f"needs n_samples >= 2, got {rl['n_samples']}")
+        if rl["async_rollouts"] and not rl["is_cap"]:
+            raise ConfigError(f"{source}: rl.variants.{name}: async_rollouts trains on samples of the weights before "
+                              f"the last update; is_cap (the importance weight of that gap) must be set, got null")
+        if rl["async_rollouts"] and rl["vllm"]["sleep"]:
+            raise ConfigError(f"{source}: rl.variants.{name}: async_rollouts generates while DeepSpeed trains; "
+                              f"vllm.sleep (vLLM asleep while DeepSpeed trains) cannot go with it")
         if rl["overlong"] == "penalty" and rl["overlong_buffer"] > rl["max_new_tokens"]:
             raise ConfigError(f"{source}: rl.variants.{name}: overlong_buffer = {rl['overlong_buffer']} must be at most "
                               f"max_new_tokens = {rl['max_new_tokens']}")
@@ -229,15 +240,39 @@ def check_consistency(config: dict, source: str) -> None:
         raise ConfigError(f"{source}: data.sft.messages_key (chat messages) needs data.apply_chat_template: true")
 
 
+def read_json_file(path: Path, where: str) -> dict:
+    """A model directory's JSON file, or a ConfigError naming it and where its JSON breaks."""
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ConfigError(f"{where}: {path} is not valid JSON ({err})") from None
+
+
+def check_safetensors(path: Path, where: str) -> None:
+    """A safetensors file's frame: an 8-byte little-endian header length, then that much JSON (what safe_open reads
+    first; nothing else of the file is read)."""
+    with path.open("rb") as fh:
+        size = int.from_bytes(fh.read(8), "little")
+        header = fh.read(size) if 2 <= size <= 100_000_000 else b""
+    try:
+        if not isinstance(json.loads(header), dict):
+            raise ValueError
+    except ValueError:
+        raise ConfigError(f"{where}: {path} is not a safetensors file (no safetensors header at its start)") from None
+
+
 def check_model_dir(path: str, where: str, kind: str = "causal-LM") -> dict:
     """A Hugging Face directory the config names: its config.json, after checking it has safetensors weights."""
     directory = repo_path(path)
     if not (directory / "config.json").is_file():
         raise ConfigError(f"{where} = {path!r}: not a Hugging Face {kind} directory (no {directory / 'config.json'})")
-    if not list(directory.glob("*.safetensors")):
+    weights = sorted(directory.glob("*.safetensors"))
+    if not weights:
         raise ConfigError(f"{where} = {path!r}: no *.safetensors weights (alignpipe loads safetensors only; convert "
                           "with save_pretrained(..., safe_serialization=True))")
-    return json.loads((directory / "config.json").read_text())
+    for file in weights:
+        check_safetensors(file, f"{where} = {path!r}")
+    return read_json_file(directory / "config.json", f"{where} = {path!r}")
 
 
 def check_models(config: dict, source: str) -> str | None:
@@ -257,10 +292,11 @@ def check_models(config: dict, source: str) -> str | None:
         directory = repo_path(model["path"])
         tokenizer_config = directory / "tokenizer_config.json"
         has_template = (directory / "chat_template.jinja").is_file() or (
-            tokenizer_config.is_file() and json.loads(tokenizer_config.read_text()).get("chat_template"))
+            tokenizer_config.is_file() and read_json_file(tokenizer_config, f"{source}: model.path").get("chat_template"))
         if config["data"]["apply_chat_template"] and not has_template:
             raise ConfigError(f"{source}: model.path = {model['path']!r} has no chat template; set "
                               "data.apply_chat_template: false and data.input_template (e.g. \"User: {}\\nAssistant: \")")
+        check_lengths(config, source, hf_config.get("max_position_embeddings") or hf_config.get("n_positions"))
     if config["sft"]["from"]:
         check_model_dir(config["sft"]["from"], f"{source}: sft.from")
     if config["reward_model"]["from"]:
@@ -270,6 +306,27 @@ def check_models(config: dict, source: str) -> str | None:
             raise ConfigError(f"{source}: reward_model.from = {config['reward_model']['from']!r} has "
                               f"{len(hf_config.get('id2label', {}))} labels; a reward model has one (a scalar score)")
     return architecture
+
+
+# What the stages add to a prompt's and its new tokens' length for vLLM's max_model_len (stages/rl.py, evaluate.py).
+LENGTH_MARGIN = 8
+
+
+def check_lengths(config: dict, source: str, positions: int | None) -> None:
+    """A prompt and what is generated or trained after it must fit the model's positions: vLLM refuses a longer
+    max_model_len, and a model with learned position embeddings (GPT-2) fails on one, in the stage, after the stages
+    before it ran."""
+    if not positions:
+        return
+    prompt = config["data"]["max_prompt_tokens"]
+    lengths = [("data.max_response_tokens", config["data"]["max_response_tokens"]),
+               ("evaluate.max_new_tokens", config["evaluate"]["max_new_tokens"])]
+    lengths += [(f"rl.variants.{name}.max_new_tokens", rl_variant(config, name)["max_new_tokens"])
+                for name in config["rl"]["variants"]]
+    for key, tokens in lengths:
+        if prompt + tokens + LENGTH_MARGIN > positions:
+            raise ConfigError(f"{source}: data.max_prompt_tokens + {key} = {prompt} + {tokens} tokens (+ {LENGTH_MARGIN} "
+                              f"spare) do not fit model.path's {positions} positions (its config.json); lower them")
 
 
 def check_lora_targets(targets, architecture: str | None, where: str) -> None:
@@ -284,13 +341,53 @@ def check_lora_targets(targets, architecture: str | None, where: str) -> None:
                           "or all-linear")
 
 
+# How long a reward file may take to import in its check (it runs at every dry run; a hang becomes a refusal).
+REWARD_CHECK_S = 60
+_reward_files_checked: dict = {}  # (path, mtime) -> the problem found, or None: each file once per process
+
+
 def check_reward_file(path: str, where: str) -> None:
-    """A reward file the config names: a Python file, imported, whose reward_fn takes (prompts, completions,
-    labels) (runtime/rewards.load_reward_fn)."""
+    """A reward file the config names: a Python file whose reward_fn takes (prompts, completions, labels)
+    (runtime/rewards.load_reward_fn), imported in a child process, once per file: whatever its import does (exit,
+    signal, KeyboardInterrupt, a hang past REWARD_CHECK_S) becomes a refusal that names it, never the end of the dry
+    run."""
+    file = repo_path(path)
+    key = (str(file), file.stat().st_mtime_ns if file.is_file() else None)
+    if key not in _reward_files_checked:
+        _reward_files_checked[key] = reward_file_problem(file)
+    if _reward_files_checked[key]:
+        raise ConfigError(f"{where}: {_reward_files_checked[key]}")
+
+
+REWARD_CHECKED, REWARD_REFUSED = "alignpipe: reward file checked", "alignpipe: reward file refused: "
+REWARD_CHILD = f"""import sys
+from runtime.rewards import RewardFileError, load_reward_fn
+try:
+    load_reward_fn(sys.argv[1])
+except RewardFileError as err:
+    print({REWARD_REFUSED!r} + str(err), flush=True)
+    sys.exit(0)
+print({REWARD_CHECKED!r}, flush=True)
+"""
+
+
+def reward_file_problem(file: Path) -> str | None:
+    """What load_reward_fn, run in a child process of this Python, says of `file`; or what stopped it."""
     try:
-        load_reward_fn(repo_path(path))
-    except RewardFileError as err:
-        raise ConfigError(f"{where}: {err}") from None
+        proc = subprocess.run([sys.executable, "-c", REWARD_CHILD, str(file)], cwd=REPO_ROOT, capture_output=True,
+                              text=True, errors="replace", timeout=REWARD_CHECK_S, stdin=subprocess.DEVNULL,
+                              env=os.environ | {"PYTHONPATH": str(REPO_ROOT)})
+    except subprocess.TimeoutExpired:
+        return f"{file}: its import did not finish within {REWARD_CHECK_S} s (does it wait for something?)"
+    lines = proc.stdout.splitlines()
+    if lines and lines[-1].startswith(REWARD_REFUSED):
+        return lines[-1].removeprefix(REWARD_REFUSED)
+    if proc.returncode == 0 and lines and lines[-1] == REWARD_CHECKED:
+        return None
+    how = f"was killed by signal {-proc.returncode}" if proc.returncode < 0 else f"exited with status {proc.returncode}"
+    said = (proc.stdout + proc.stderr).strip()[-400:]
+    return (f"{file}: importing it, the process {how} before reward_fn was checked (sys.exit, os._exit, a signal or "
+            f"KeyboardInterrupt at import?)" + (f"; its last output: {said}" if said else ""))
 
 
 def method_seeds(config: dict) -> list[int]:
@@ -426,6 +523,12 @@ def deep_merge(base: dict, update: dict) -> dict:
     for key, value in update.items():
         out[key] = deep_merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
     return out
+
+
+# Says that a directory is alignpipe's: results_dir and launcher.checkpoint_dir must be new, empty or marked by it.
+RESULTS_MARKER = ".alignpipe-results"
+# Files of results_dir itself: no experiment may take their names.
+RESULTS_FILES = ("mlflow.db", "mlartifacts", "bench", RESULTS_MARKER)
 
 
 def results_root(config: dict) -> Path:

@@ -5,7 +5,9 @@ Snakemake resources a profile gives the rule (`stage_resources`); each value is 
 where it came from. On Slurm, `check_slurm` asks `sbatch --test-only` whether the job would be accepted.
 `check_stages` runs the same checks, all but `sbatch --test-only`, for every job of the DAG at parse time.
 """
+import glob
 import math
+import os
 import re
 import shlex
 import shutil
@@ -213,6 +215,20 @@ def check_fits(stage: str, params: dict, resources: dict, sources: dict) -> None
                                 "states leave the GPUs while vLLM generates)")
 
 
+def check_this_machine(resources: dict, sources: dict) -> None:
+    """A job of the local executor runs on this machine: no more CPUs or GPUs than it has (Ray counts what it is told,
+    so 1000 CPUs would start 1000 torch threads, and GPUs that are not there fail in the stage, hours in)."""
+    if resources["cluster"] != "local":
+        return
+    have = {("cpus_per_node", "CPUs"): len(os.sched_getaffinity(0)),
+            ("gpus_per_node", "GPUs"): len(glob.glob("/dev/nvidia[0-9]*"))}
+    for (key, what), count in have.items():
+        if resources[key] > count:
+            raise LaunchConfigError(f"{sources[key]} = {resources[key]}, but this machine, where the local executor "
+                                    f"runs the job, has {count} {what}; set at most {count}, or submit to Slurm "
+                                    "(snakemake --profile slurm)")
+
+
 def _value(block: dict, dotted: str):
     for part in dotted.split("."):
         block = block.get(part) if isinstance(block, dict) else None
@@ -276,6 +292,7 @@ def check_stages(jobs, launcher: dict, profile_for=None) -> list[str]:
         try:
             resources, sources = stage_resources(stage, launcher, profile_for(stage) if profile_for else None)
             check_fits(stage, params, resources, sources)
+            check_this_machine(resources, sources)
         except LaunchConfigError as err:
             labels = problems.setdefault(str(err), [])
             if label not in labels:

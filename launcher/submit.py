@@ -43,8 +43,9 @@ from pathlib import Path
 import submitit
 from submitit.core.utils import JobPaths
 
-from launcher.config import REPO_ROOT, config_hash, results_root
-from launcher.resources import LaunchConfigError, check_fits, check_slurm, describe, stage_resources
+from launcher.config import REPO_ROOT, RESULTS_MARKER, config_hash, results_root
+from launcher.resources import (LaunchConfigError, check_fits, check_slurm, check_this_machine, describe,
+                                stage_resources)
 from launcher.supervise import ACTIVE_STATES, OutputLock, StageFailed, Orphaned, supervise, Watch
 from runtime.checkpoints import UnsafeDirectory, refuse_world_writable
 from runtime.job import StageJob
@@ -67,6 +68,15 @@ def tracking_uri(config: dict) -> str:
         raise StageFailed(str(err)) from None
     return (os.environ.get("MLFLOW_TRACKING_URI") or config["tracking"]["uri"]
             or f"sqlite:///{results_root(config) / 'mlflow.db'}")
+
+
+def mark_as_alignpipes(context: dict) -> None:
+    """The marker that tells later runs (launcher/checks.check_output_dirs) that results_dir, and
+    launcher.checkpoint_dir where set, are alignpipe's."""
+    chosen = context["launcher"].get("checkpoint_dir")
+    for root in [results_root(context)] + ([(REPO_ROOT / chosen).resolve()] if chosen else []):
+        root.mkdir(parents=True, exist_ok=True)
+        (root / RESULTS_MARKER).touch()
 
 
 def checkpoint_dir(context: dict, run_name: str, params: dict) -> Path:
@@ -106,9 +116,11 @@ def launch_stage(job: dict, job_io: dict, output: str) -> None:
     ("context": experiment, results_dir, launcher, tracking)."""
     stage, run_name, context = job["stage"], job["run_name"], job_io["context"]
     watch = Watch()  # now: who started this launcher (later, a dead Snakemake's orphan would not know)
+    mark_as_alignpipes(context)
     try:
         resources, sources = stage_resources(stage, context["launcher"], job_io.get("resources"))
         check_fits(stage, job["config"], resources, sources)
+        check_this_machine(resources, sources)
         if resources["cluster"] == "slurm":
             check_slurm(run_name, resources, sources)
     except LaunchConfigError as err:
@@ -151,7 +163,8 @@ def launch_stage(job: dict, job_io: dict, output: str) -> None:
                     submitted.get_info(mode="force")  # let submitit see the final state now, not at its next poll
             try:
                 refuse_world_writable(log_dir, 0, pickles)
-                submitted.task(0).result()  # task 0 ran the driver; the other tasks only held Ray nodes
+                if _outcome(submitted.task(0).paths.result_pickle) != "success":  # (task 0 ran the driver)
+                    submitted.task(0).result()  # raises the job's error (result() waits for the process to end)
             except UnsafeDirectory as err:
                 raise StageFailed(f"stage {run_name}: job {submitted.job_id} ended; its result was not read: "
                                   f"{err}") from None
@@ -172,9 +185,10 @@ def follow_log(job, log_path: Path, run_name: str = "", slurm: bool = False, pol
     """Echo the job's log (task 0; stdout and stderr merged) to this terminal until the job is over, with its
     Slurm state changes (pending, running, requeued). Returns the last Slurm state seen ('' elsewhere).
 
-    A requeued job keeps its id and appends to the same log, so the echo simply continues. On Slurm the job is
-    over when task 0 has stored a successful result, or when Slurm says the job has ended: a result file alone
-    does not end it, since a task of an interrupted attempt may have left one before the job was requeued.
+    A requeued job keeps its id and appends to the same log, so the echo simply continues. The job is over when
+    task 0 has stored a successful result, or when its process ended (local) or Slurm says the job has ended: a
+    result file alone does not end it, since a task of an interrupted attempt may have left one before the job was
+    requeued.
     `watch`, if given, is called at every poll; it returning true (the launcher is orphaned) ends the wait with
     Orphaned."""
     position, state, last_poll, unknown_since, ran = 0, "", 0.0, None, False
@@ -182,7 +196,7 @@ def follow_log(job, log_path: Path, run_name: str = "", slurm: bool = False, pol
     while True:
         if watch is not None and watch():
             raise Orphaned()
-        outcome = _outcome(result_pickle) if slurm else None
+        outcome = _outcome(result_pickle)
         if slurm and (time.time() - last_poll > (2 if outcome else STATE_POLL_S)):
             last_poll = time.time()
             new = _slurm_state(job)
@@ -198,8 +212,8 @@ def follow_log(job, log_path: Path, run_name: str = "", slurm: bool = False, pol
                 state, unknown_since = new, None
             elif unknown_since is None:
                 unknown_since = time.time()
-        if not slurm:
-            done = job.done()
+        if not slurm:  # a stored success ends it: the job's process may take seconds more to exit
+            done = outcome == "success" or job.done()
         elif outcome == "success":
             done = True
         elif state and unknown_since is None:

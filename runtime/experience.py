@@ -69,6 +69,18 @@ class Rollout:
     def __len__(self) -> int:
         return len(self.response_ids)
 
+    def state(self) -> dict:
+        """The rows as JSON: each field, a tensor as its values and dtype."""
+        value = lambda v: {"values": v.tolist(), "dtype": str(v.dtype).removeprefix("torch.")} \
+            if isinstance(v, torch.Tensor) else v
+        return {f.name: value(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_state(cls, state: dict) -> Rollout:
+        value = lambda v: torch.tensor(v["values"], dtype=getattr(torch, v["dtype"])) \
+            if isinstance(v, dict) and "dtype" in v else v
+        return cls(**{name: value(v) for name, v in state.items()})
+
     def __getitem__(self, index: slice | list[int]) -> Rollout:
         """The rows at `index`, a slice or a list of row numbers (in that order); T stays the same."""
         def take(value):
@@ -79,9 +91,10 @@ class Rollout:
             return [value[i] for i in index]
         return Rollout(*(take(getattr(self, f.name)) for f in dataclasses.fields(self)))
 
-    def tokens(self, pad_id: int) -> dict:
-        """The right-padded prompt+response batch a model forward takes (logprobs.pad_prompt_response)."""
-        return pad_prompt_response(self.prompt_ids, self.response_ids, pad_id)
+    def tokens(self, pad_id: int, packed: bool = False) -> dict:
+        """The prompt+response batch a model forward takes (logprobs.pad_prompt_response: right-padded, and `packed`
+        into one row too)."""
+        return pad_prompt_response(self.prompt_ids, self.response_ids, pad_id, packed)
 
     def to_batch(self, values: torch.Tensor, batch_mask: torch.Tensor) -> torch.Tensor:
         """Response-aligned (B, T) values laid into the response positions (batch_mask 1) of a model batch (B, K), on

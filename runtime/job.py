@@ -1,9 +1,10 @@
 """What runs inside a stage's job: `StageJob`, pickled by the launcher and called by submitit on the job's nodes.
 
-A stage that declares `USES_RAY = True` gets a Ray cluster across the job's nodes (runtime/ray_cluster.py) and
-its driver runs on task 0. The stage writes into `<output>.partial`, renamed into place only when it succeeds,
-so a failed or killed job leaves nothing Snakemake takes as done. Its resumable state lives in
-`checkpoint_dir` (kept across requeues and failures, removed once the stage succeeds).
+A stage that declares `USES_RAY = True` (or whose `uses_ray(resources)` says so for the job's resources) gets a Ray
+cluster across the job's nodes (runtime/ray_cluster.py) and its driver runs on task 0. The stage writes into
+`<output>.partial`, renamed into place only when it succeeds, so a failed or killed job leaves nothing Snakemake takes
+as done. Its resumable state lives in `checkpoint_dir` (kept across requeues and failures, removed once the stage
+succeeds).
 
 This module is part of every stage's code hash (launcher/code_hash.py): what it does shapes every output.
 """
@@ -57,7 +58,8 @@ class StageJob(submitit.helpers.Checkpointable):
     def __call__(self):
         os.environ.update(JOB_ENV)
         module = importlib.import_module(f"stages.{self.stage}")
-        if not getattr(module, "USES_RAY", False):
+        uses_ray = module.uses_ray(self.resources) if hasattr(module, "uses_ray") else module.USES_RAY
+        if not uses_ray:
             return self.run_driver(module)
         from runtime.ray_cluster import ray_cluster
         env = submitit.JobEnvironment()
@@ -74,6 +76,9 @@ class StageJob(submitit.helpers.Checkpointable):
 
     def run_driver(self, module, ray_nodes: list | None = None):
         output = Path(self.output)
+        if output.exists() and not (output / "stage.json").exists():  # a stage replaces only what a stage made
+            raise RuntimeError(f"{output} exists and no stage wrote it (it has no stage.json): move it aside and run "
+                               "again")
         partial = output.with_name(output.name + ".partial")
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)

@@ -9,24 +9,35 @@ import torch
 Tensor = torch.Tensor
 
 
-def pad_prompt_response(prompts: list[list[int]], responses: list[list[int]], pad_id: int) -> dict:
-    """Right-padded prompt+response ids; `loss_mask` is 1 on response tokens only."""
+def pad_prompt_response(prompts: list[list[int]], responses: list[list[int]], pad_id: int,
+                        packed: bool = False) -> dict:
+    """Right-padded prompt+response ids; `loss_mask` is 1 on response tokens only. `packed`: the same batch also as
+    one row without padding (`packed_ids`, `position_ids`), which response_logits then runs instead."""
     ids = [p + r for p, r in zip(prompts, responses)]
     width = max(map(len, ids))
-    return {
+    batch = {
         "input_ids": torch.tensor([x + [pad_id] * (width - len(x)) for x in ids]),
         "attention_mask": torch.tensor([[1] * len(x) + [0] * (width - len(x)) for x in ids]),
         "loss_mask": torch.tensor([[0] * len(p) + [1] * len(r) + [0] * (width - len(p) - len(r))
                                    for p, r in zip(prompts, responses)], dtype=torch.float32),
     }
+    if packed:
+        batch["packed_ids"] = torch.tensor([[token for x in ids for token in x]])
+        batch["position_ids"] = torch.tensor([[i for x in ids for i in range(len(x))]])
+    return batch
 
 
-def pair_batch(tokenizer, rows: list[dict]) -> dict:
-    """prompt+chosen for every row, then prompt+rejected for every row: one padded batch of 2B."""
+def pair_batch(tokenizer, rows: list[dict], packed: bool = False) -> dict:
+    """prompt+chosen for every row, then prompt+rejected for every row: one batch of 2B (pad_prompt_response)."""
     encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]
     prompts = [encode(r["prompt"]) for r in rows]
     responses = [encode(r["chosen"]) for r in rows] + [encode(r["rejected"]) for r in rows]
-    return pad_prompt_response(prompts * 2, responses, tokenizer.pad_token_id)
+    return pad_prompt_response(prompts * 2, responses, tokenizer.pad_token_id, packed)
+
+
+def forward_tokens(batch: dict) -> int:
+    """The token positions a forward of the batch computes: the packed row's, or every padded row's whole width."""
+    return batch["packed_ids"].numel() if "packed_ids" in batch else batch["input_ids"].numel()
 
 
 def model_device(model) -> torch.device:
@@ -43,13 +54,38 @@ def on_device(batch: dict, model) -> dict:
 def response_logits(model, batch: dict):
     """Next-token logits at the positions that predict response tokens (B, K, V), their labels (B, K) and the
     response mask (B, K), on the model's device. The output layer, a large share of a small model's compute over a
-    49k vocabulary, runs only from the first response position of the (right-padded) batch on, not over the prompts."""
+    49k vocabulary, runs only from the first response position of the (right-padded) batch on, not over the prompts.
+    A packed batch (pad_prompt_response(packed=True)) gives the same (B, K) results from its one row (packed_logits)."""
     mask = batch["loss_mask"][:, 1:]
     start = int(mask.any(0).nonzero()[0, 0]) if mask.any() else 0  # on the CPU batch: no device sync
+    if "packed_ids" in batch:
+        logits = packed_logits(model, batch, start)
+        return logits, batch["input_ids"][:, 1 + start:].to(logits.device), \
+            batch["loss_mask"][:, 1 + start:].to(logits.device)
     batch = on_device(batch, model)
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                    logits_to_keep=mask.shape[1] + 1 - start).logits[:, :-1]
     return logits, batch["input_ids"][:, 1 + start:], batch["loss_mask"][:, 1 + start:]
+
+
+def packed_logits(model, batch: dict, start: int) -> Tensor:
+    """The padded batch's next-token logits from position `start` on (B, K, V), computed on its packed row: the
+    sequences one after another without padding, position ids restarting at each, no attention mask. transformers
+    then lets each token attend to its own sequence only (masking_utils.find_packed_sequence_indices: a block-diagonal
+    causal mask with sdpa or eager, flash-attention's variable-length kernel with flash_attention_2). The output layer
+    runs at the positions that predict a response token only; the other (B, K) entries repeat one of those (finite,
+    and masked out by loss_mask)."""
+    lengths = batch["attention_mask"].sum(1)
+    offsets = torch.cumsum(lengths, 0) - lengths
+    positions = offsets[:, None] + start + torch.arange(batch["input_ids"].shape[1] - 1 - start)  # (B, K)
+    predicts = batch["loss_mask"][:, 1 + start:].bool()
+    keep = positions[predicts] if predicts.any() else positions[:1, :1].flatten()  # sorted: rows, then positions
+    index = torch.searchsorted(keep, positions).clamp(max=len(keep) - 1)
+    target = model_device(model)
+    # use_cache=False: with a KV cache transformers takes the position ids as a continuation, not as packing
+    logits = model(input_ids=batch["packed_ids"].to(target), position_ids=batch["position_ids"].to(target),
+                   logits_to_keep=keep.to(target), use_cache=False).logits[0]  # (len(keep), V)
+    return logits[index.to(target)]
 
 
 def response_logprobs(model, batch: dict):

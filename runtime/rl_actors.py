@@ -12,7 +12,8 @@ from runtime import losses, trainer, weight_sync
 from runtime.actor_group import ActorGroup, actor_threads, bundles, cluster_gpus, reserve
 from runtime.deepspeed_strategy import DeepSpeedWorker, Rank, inference_ds_config
 from runtime.experience import Rollout
-from runtime.logprobs import entropy_from_logits, on_device, response_logits, response_logprobs, token_logprobs
+from runtime.logprobs import (entropy_from_logits, forward_tokens, on_device, response_logits, response_logprobs,
+                              token_logprobs)
 from runtime.models import (device, load_causal_lm, load_reward_model, load_tokenizer, load_value_model, model_dtype,
                             release_cached_memory)
 from runtime.rewards import load_reward_fn
@@ -36,12 +37,14 @@ class PolicyWorker(DeepSpeedWorker):
 
     @torch.no_grad()
     def logprobs(self, rollout: Rollout) -> torch.Tensor:
-        return forward_in_pieces(lambda rows: rows.from_batch(*response_logprobs(self.engine, rows.tokens(self.pad_id))),
-                                 rollout, self.forward_micro_batch_size)
+        return forward_in_pieces(
+            lambda rows: rows.from_batch(*response_logprobs(self.engine, rows.tokens(self.pad_id, self.cfg.packing))),
+            rollout, self.forward_micro_batch_size)
 
     def loss(self, rollout: Rollout):
         cfg = self.cfg
-        logits, labels, mask = response_logits(self.engine, rollout.tokens(self.pad_id))
+        batch = rollout.tokens(self.pad_id, cfg.packing)
+        logits, labels, mask = response_logits(self.engine, batch)
         logp = token_logprobs(logits, labels) * mask
         # Without old log-probs (see experience.trains_once) the old policy is the current one: the ratio is 1.
         old = rollout.to_batch(rollout.old_logp, mask) if rollout.old_logp is not None else logp.detach()
@@ -66,7 +69,9 @@ class PolicyWorker(DeepSpeedWorker):
             entropy = losses.masked_mean(entropy_from_logits(logits), mask)
         if cfg.entropy_coef:
             loss = loss - cfg.entropy_coef * entropy
-        stats = {"policy_loss": loss.detach(), "clip_fraction": clip_frac.detach(), "entropy": entropy.detach()}
+        stats = {"policy_loss": loss.detach(), "clip_fraction": clip_frac.detach(), "entropy": entropy.detach(),
+                 # what packing saves: the positions this forward computed, and what the padded batch would have
+                 "forward_tokens": forward_tokens(batch), "padded_tokens": batch["input_ids"].numel()}
         if not cfg.kl_in_reward and cfg.kl_coef:  # GRPO style: KL to the reference as a loss term
             kl = losses.aggregate(losses.kl_estimate(logp, rollout.to_batch(rollout.ref_logp, mask), cfg.kl_estimator),
                                   mask, cfg.loss_agg)
@@ -114,10 +119,12 @@ class FrozenScorer(DeepSpeedWorker):
     """The reference policy's log-probs, or the reward model's scores: inference only, in `precision`, on this
     rank's device, `forward_micro_batch_size` rows at a time. With several ranks and ZeRO-3 (`frozen_ranks`,
     `zero_stage` 3) the weights are sharded across the ranks, each scoring its share of the rows."""
+    packing = False  # the reference's forwards packed (rl.packing; setup sets it)
 
     def setup(self, cfg, rank: Rank, kind: str) -> None:
         self.tokenizer = load_tokenizer(rank.model_dir)
         self.forward_micro_batch_size = cfg.forward_micro_batch_size
+        self.packing = cfg.packing and kind == "policy"  # (a reward model's forwards stay padded)
         loader = load_causal_lm if kind == "policy" else load_reward_model
         dtype = model_dtype(cfg.precision)
         torch.set_num_threads(rank.num_threads)
@@ -138,8 +145,9 @@ class FrozenScorer(DeepSpeedWorker):
     @torch.no_grad()
     def logprobs(self, rollout: Rollout) -> torch.Tensor:
         pad_id = self.tokenizer.pad_token_id
-        logp = forward_in_pieces(lambda rows: rows.from_batch(*response_logprobs(self.model, rows.tokens(pad_id))),
-                                 rollout, self.forward_micro_batch_size)
+        logp = forward_in_pieces(
+            lambda rows: rows.from_batch(*response_logprobs(self.model, rows.tokens(pad_id, self.packing))),
+            rollout, self.forward_micro_batch_size)
         release_cached_memory()
         return logp
 

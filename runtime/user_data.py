@@ -9,6 +9,7 @@ Each role names its keys in the config (data.sft, data.preference, data.prompts,
 `check_datasets` runs in the Snakefile, before any job is queued, and names every bad row (up to 20) with its file
 and line. `load_records` is what the preprocess stage reads. Light at import: `datasets` loads only when needed.
 """
+import codecs
 import csv
 import hashlib
 import json
@@ -38,9 +39,18 @@ def is_builtin(path: str) -> bool:
     return path.startswith(BUILTIN_PREFIX)
 
 
+# Endings of files, never of a hub id: `data/sft.jsonl` that is not there is a local file missing, not a dataset id.
+FILE_SUFFIXES = (*FORMATS, ".tsv", ".txt", ".arrow", ".safetensors", ".bin", ".pt", ".gguf")
+
+
 def is_hub(path: str) -> bool:
-    """A hub dataset id (`org/name`) rather than a local path: nothing of that name exists here."""
-    return not is_builtin(path) and not repo_path(path).exists() and re.fullmatch(r"[\w.-]+/[\w.-]+", path) is not None
+    """A hub id (`org/name`) rather than a local path: nothing of that name exists here, it does not end like a file,
+    and no folder of its first part exists here (`models/mymodell`, a typo of a local model, stays a local path and is
+    refused as missing, not looked up on the hub)."""
+    if is_builtin(path) or repo_path(path).exists():
+        return False
+    org = re.fullmatch(r"([\w.-]+)/[\w.-]+", path)
+    return org is not None and not path.endswith(FILE_SUFFIXES) and not repo_path(org.group(1)).is_dir()
 
 
 def load_records(spec: dict) -> list[dict]:
@@ -92,10 +102,11 @@ def row_problems(role: str, spec: dict, row) -> list[str]:
     problems: list[str] = []
 
     def present(key: str) -> bool:
-        if row.get(key) is None:
+        if key in row and row[key] is None:
+            problems.append(f"{key!r} has no value (null, or an empty cell)")
+        elif key not in row:
             problems.append(f"missing key {key!r} (keys here: {', '.join(sorted(row)) or 'none'})")
-            return False
-        return True
+        return row.get(key) is not None
 
     if role == "sft" and spec["messages_key"]:
         key = spec["messages_key"]
@@ -131,16 +142,18 @@ def row_problems(role: str, spec: dict, row) -> list[str]:
 
 
 def _jsonl_problems(role: str, spec: dict, path: Path) -> list[str]:
-    raw = path.read_bytes()
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as err:
-        line = raw[:err.start].count(b"\n") + 1
-        return [f"{path}, line {line}: not UTF-8 text (byte 0x{raw[err.start]:02x}); save the file as UTF-8"]
-    problems, kinds = [], {}
-    for line_no, line in enumerate(text.splitlines(), start=1):
+    """Each line's problems (JSON Lines end at "\n" only: U+2028 and the like may sit inside a JSON string)."""
+    problems, kinds, rows = [], {}, 0
+    for line_no, raw in enumerate(path.read_bytes().split(b"\n"), start=1):
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as err:
+            problems.append(f"{path}, line {line_no}: not UTF-8 text (byte 0x{raw[err.start]:02x}); save the file "
+                            "as UTF-8")
+            continue
         if not line.strip():
             continue
+        rows += 1
         try:
             row = json.loads(line)
         except json.JSONDecodeError as err:
@@ -155,7 +168,7 @@ def _jsonl_problems(role: str, spec: dict, path: Path) -> list[str]:
                     found.append(f"{key!r} is {kind} here but {kinds[key][0]} on line {kinds[key][1]} "
                                  "(one type per key in a file)")
         problems += [f"{path}, line {line_no}: {p}" for p in found]
-    return problems or ([] if text.strip() else [f"{path}: no rows"])
+    return problems or ([] if rows else [f"{path}: no rows"])
 
 
 def _table_problems(role: str, spec: dict, path: Path) -> list[str]:
@@ -177,10 +190,50 @@ def dataset_problems(role: str, spec: dict) -> list[str]:
     if not path.exists():
         return [f"data.{role}.path = {spec['path']!r}: no such file or directory (relative paths are taken from "
                 "the repository root)"]
+    if not path.is_file() and not path.is_dir():  # reading a named pipe would wait for a writer forever
+        return [f"data.{role}.path = {spec['path']!r}: not a regular file or directory (a pipe or a device?)"]
     if path.is_file() and path.suffix not in FORMATS:
         return [f"data.{role}.path = {spec['path']!r}: unknown format; use {', '.join(FORMATS)} or a "
                 "`datasets` save_to_disk directory"]
-    return _jsonl_problems(role, spec, path) if path.suffix in (".jsonl", ".json") else _table_problems(role, spec, path)
+    if path.suffix == ".json" and _starts_with(path, b"["):  # one JSON array of rows, as `datasets` also reads it
+        return _json_array_problems(role, spec, path)
+    if path.suffix in (".jsonl", ".json"):
+        return _jsonl_problems(role, spec, path)
+    if path.suffix == ".csv" and (where := _not_utf8(path)):
+        return [f"{path}, {where}: not UTF-8 text; save the file as UTF-8"]
+    return _table_problems(role, spec, path)
+
+
+def _starts_with(path: Path, prefix: bytes) -> bool:
+    with path.open("rb") as fh:
+        return fh.read(4096).lstrip(b"\xef\xbb\xbf \t\r\n").startswith(prefix)
+
+
+def _not_utf8(path: Path) -> str | None:
+    """Where a file stops being UTF-8 ("line N (byte 0x..)"), read a megabyte at a time; None if it is UTF-8."""
+    decoder, line = codecs.getincrementaldecoder("utf-8")(), 1
+    with path.open("rb") as fh:
+        while chunk := fh.read(2**20):
+            try:
+                decoder.decode(chunk)
+            except UnicodeDecodeError as err:
+                line += chunk[:err.start].count(b"\n")
+                return f"line {line} (byte 0x{chunk[err.start]:02x})"
+            line += chunk.count(b"\n")
+    return None
+
+
+def _json_array_problems(role: str, spec: dict, path: Path) -> list[str]:
+    try:
+        rows = json.loads(path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError:
+        return [f"{path}, {_not_utf8(path)}: not UTF-8 text; save the file as UTF-8"]
+    except json.JSONDecodeError as err:
+        return [f"{path}: a JSON array that is not valid JSON ({err.msg}, line {err.lineno}, column {err.colno})"]
+    if not isinstance(rows, list):
+        return [f"{path}: a .json file holds one array of rows, or one row per line (JSON Lines)"]
+    problems = [f"{path}, row {i}: {p}" for i, row in enumerate(rows) for p in row_problems(role, spec, row)]
+    return problems or ([] if rows else [f"{path}: no rows"])
 
 
 def _fingerprint(role: str, spec: dict) -> str:

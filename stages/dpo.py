@@ -34,6 +34,7 @@ USES_RAY = True
 
 @dataclasses.dataclass
 class Config(trainer.TrainerConfig):
+    packing: bool
     loss: str
     beta: float
     label_smoothing: float
@@ -67,7 +68,7 @@ class DPOWorker(DeepSpeedWorker):
 
     def pair_logps(self, rows):
         """The policy's (chosen, rejected) summed log-probs and response lengths."""
-        logps, lengths = sequence_logps(self.engine, pair_batch(self.tokenizer, rows))
+        logps, lengths = sequence_logps(self.engine, pair_batch(self.tokenizer, rows, self.cfg.packing))
         n = len(rows)
         return logps[:n], logps[n:], lengths[:n], lengths[n:]
 
@@ -75,7 +76,7 @@ class DPOWorker(DeepSpeedWorker):
         """The policy's summed log-probs of each prompt followed by its row's `mismatched` response (KTO)."""
         encode = lambda text: self.tokenizer(text, add_special_tokens=False)["input_ids"]  # as pair_batch encodes
         batch = pad_prompt_response([encode(r["prompt"]) for r in rows], [encode(r["mismatched"]) for r in rows],
-                                    self.tokenizer.pad_token_id)
+                                    self.tokenizer.pad_token_id, self.cfg.packing)
         return sequence_logps(self.engine, batch)[0]
 
     @torch.no_grad()

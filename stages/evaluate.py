@@ -17,12 +17,14 @@ Spreading the layers needs no process group and no sharded engine, and the stage
 to GPUs that compute one after the other. ZeRO-3 over frozen ranks (runtime/rl_actors.FrozenScorer) would also split
 the models, but with a process per GPU and every layer gathered again at each forward. A model set that does not fit
 the node's GPUs is refused before queueing by the memory plan (launcher/memory.py). On CPU the models load in fp32,
-one phase at a time as on GPUs.
+one phase at a time as on GPUs, and a job of one node without GPUs runs its engine and scorer in its own process: a
+Ray cluster and two actor processes to start would be a third of a small evaluation's time (`uses_ray`).
 
     .venv/bin/snakemake --profile cluster_profiles/local results/<experiment>/evaluate/sft
 """
 import dataclasses
 import json
+import os
 import statistics
 from pathlib import Path
 
@@ -38,8 +40,12 @@ from runtime.rewards import call_reward_fn, load_reward_fn, reward_name
 from runtime.rollout import VLLMEngine, generate_on, sampling_seed, start_engines
 from runtime.user_data import repo_path
 
-USES_RAY = True
 SCORE_BATCH = 8
+
+
+def uses_ray(resources: dict) -> bool:
+    """Ray places the engines and the scorer on a job's GPUs, or across its nodes; one node of CPUs needs no placing."""
+    return resources["gpus_per_node"] > 0 or resources["nodes"] > 1
 
 
 @dataclasses.dataclass
@@ -182,40 +188,51 @@ def run(cfg: Config, inputs: dict, output: Path, tracker) -> None:
     tokenizer = load_tokenizer(inputs["model"])
     rows = data.read_jsonl(inputs["data"] / "prompts_eval.jsonl")[:cfg.num_prompts]
     prompt_ids = [tokenizer(r["prompt"], add_special_tokens=False)["input_ids"] for r in rows]
-    threads = max(1, int(ray.available_resources().get("CPU", 1)))
+    on_ray = ray.is_initialized()
+    threads = max(1, int(ray.available_resources().get("CPU", 1)) if on_ray else len(os.sched_getaffinity(0)))
     max_len = max(map(len, prompt_ids)) + cfg.max_new_tokens + 8
     reward_fns = {reward: load_reward_fn(repo_path(reward)) for reward in cfg.rewards if reward != "model"}
 
     print(f"[evaluate] {cfg.model}: generating {len(rows)} prompts x {cfg.max_new_tokens} tokens with vLLM", flush=True)
-    gpus = cluster_gpus() > 0
-    engines = start_engines(str(inputs["model"]), cfg.seed, max_len, cfg.vllm, threads, 1, gpus, engine_cls=Engine)
-    samples = generate_on(engines, prompt_ids, 1, cfg.temperature, cfg.top_p, cfg.max_new_tokens,
-                          sampling_seed(cfg.seed, "evaluate"))
-    stop_engines(engines)  # their GPUs, KV caches and cores go to the scorer
-    scorer = ray.remote(num_cpus=1, num_gpus=node_gpus())(Scorer).remote(
-        tokenizer.pad_token_id, actor_threads(1, threads, takes_turns=not gpus))
+    sampling = (1, cfg.temperature, cfg.top_p, cfg.max_new_tokens, sampling_seed(cfg.seed, "evaluate"))
+    if on_ray:
+        gpus = cluster_gpus() > 0
+        engines = start_engines(str(inputs["model"]), cfg.seed, max_len, cfg.vllm, threads, 1, gpus,
+                                engine_cls=Engine)
+        samples = generate_on(engines, prompt_ids, *sampling)
+        stop_engines(engines)  # their GPUs, KV caches and cores go to the scorer
+        scorer = ray.remote(num_cpus=1, num_gpus=node_gpus())(Scorer).remote(
+            tokenizer.pad_token_id, actor_threads(1, threads, takes_turns=not gpus))
+        call = lambda method, *args, **kwargs: ray.get(getattr(scorer, method).remote(*args, **kwargs))
+    else:  # one engine gives the samples of several (each request keeps its own seed: runtime/rollout.py)
+        engine = Engine(str(inputs["model"]), cfg.seed, max_len, cfg.vllm, threads)
+        samples = engine.generate(prompt_ids, *sampling)
+        del engine  # its KV cache, before the scorer's models load
+        scorer = Scorer(tokenizer.pad_token_id, threads)
+        call = lambda method, *args, **kwargs: getattr(scorer, method)(*args, **kwargs)
     completions = [s[0] for s in samples]
     texts = [c["text"] for c in completions]
     scores = {}
     for reward in cfg.rewards:
         if reward == "model":
             responses = [c["token_ids"] or [tokenizer.pad_token_id] for c in completions]  # an empty one still scores
-            ray.get(scorer.hold.remote(reward_model_dir=str(inputs["reward_model"])))
-            scores["reward_model"] = ray.get(scorer.reward_model_scores.remote(prompt_ids, responses))
+            call("hold", reward_model_dir=str(inputs["reward_model"]))
+            scores["reward_model"] = call("reward_model_scores", prompt_ids, responses)
         else:
             scores[reward_name(reward)] = call_reward_fn(reward_fns[reward], reward, [r["prompt"] for r in rows], texts,
                                                          [r["label"] for r in rows])
 
     print(f"[evaluate] {cfg.model}: scoring KL to the reference and perplexity", flush=True)
-    ray.get(scorer.hold.remote(model_dir=str(inputs["model"]), reference_dir=str(inputs["reference"])))
-    logps = ray.get(scorer.sequence_logprobs.remote(prompt_ids, [c["token_ids"] for c in completions], True))
+    call("hold", model_dir=str(inputs["model"]), reference_dir=str(inputs["reference"]))
+    logps = call("sequence_logprobs", prompt_ids, [c["token_ids"] for c in completions], True)
     references = None  # perplexity of the held-out SFT responses, where the experiment has an SFT dataset
     if "sft_data" in inputs:
         held_out = data.read_jsonl(inputs["sft_data"] / "sft_eval.jsonl")
         encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]
-        references = ray.get(scorer.sequence_logprobs.remote([encode(r["prompt"]) for r in held_out],
-                                                             [encode(r["response"]) for r in held_out], False))
-    ray.kill(scorer)
+        references = call("sequence_logprobs", [encode(r["prompt"]) for r in held_out],
+                          [encode(r["response"]) for r in held_out], False)
+    if on_ray:
+        ray.kill(scorer)
 
     # KL(model || reference) per response: the exact KL of the next-token distributions, summed over the
     # positions of the model's own samples (a log-ratio estimate would be biased, even negative, when the

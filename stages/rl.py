@@ -9,6 +9,10 @@ One driver (this module's `run`) and actor groups: policy (DeepSpeed ZeRO ranks,
     CISPO's policy loss; value loss) -> weight sync (trainer -> vLLM)
 
 and a checkpoint every `checkpoint_every` steps; a restart resumes from the latest with the same prompt order.
+With `async_rollouts: 1` step t+1's generation (a thread of this driver: the engines are actors of their own) runs
+while step t makes its experience and trains, with the weights before step t's update; the weight sync waits for
+both. A checkpoint then keeps the rollout generated ahead, so a resumed run trains on the samples the uninterrupted
+run trained on.
 One config names several variants (e.g. grpo, ppo); each is a separate run of this stage.
 
     .venv/bin/snakemake --profile cluster_profiles/local results/<experiment>/rl/grpo
@@ -18,6 +22,7 @@ import json
 import random
 import statistics
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import ray
@@ -58,6 +63,8 @@ class Config(trainer.TrainerConfig):
     lam: float
     loss_agg: str
     policy_loss: str
+    packing: bool
+    async_rollouts: int
     dynamic_sampling: bool
     max_generation_rounds: int
     overlong: str
@@ -136,6 +143,16 @@ def sample_step(roles, cfg: Config, batch: list[dict], draw, seed: int) -> tuple
             [prompt for _, _, prompt in chosen], stats)
 
 
+def sample_state(sample: tuple) -> dict:
+    """A sample (rollout, raw scores, prompts, counts) as JSON, for a checkpoint (float32 values survive exactly)."""
+    rollout, raw, batch, metrics = sample
+    return {"rollout": rollout.state(), "raw": raw, "batch": batch, "metrics": metrics}
+
+
+def sample_from_state(state: dict) -> tuple:
+    return Rollout.from_state(state["rollout"]), state["raw"], state["batch"], state["metrics"]
+
+
 def adapt_kl(kl_coef: float, kl: float, cfg: Config) -> float:
     # Adaptive KL controller (Ziegler et al. 2019): move the coefficient toward the target KL.
     if cfg.kl_target is None:
@@ -192,14 +209,25 @@ def run(cfg: Config, inputs: dict, output: Path, tracker) -> None:
         drawn, order = next_prompts(count, order, prompts, rng)
         return drawn
 
+    def sample(s: int) -> tuple:
+        """Step s's rollout, raw scores, prompts and counts (sample_step), with its generation time in the counts."""
+        t0 = time.perf_counter()
+        rollout, raw, batch, metrics = sample_step(roles, cfg, draw(cfg.rollout_batch_size), draw,
+                                                   sampling_seed(cfg.seed, f"step {s}"))
+        return rollout, raw, batch, metrics | {"time_generate": time.perf_counter() - t0}
+
+    ahead = None  # step s's sample, generated while step s - 1 trained (async_rollouts)
+    if resumed and "ahead" in state:
+        ahead = Future()
+        ahead.set_result(sample_from_state(state["ahead"]))
+    pool = ThreadPoolExecutor(1, thread_name_prefix="rollout") if cfg.async_rollouts else None
     progress = Progress(f"rl/{cfg.name}", cfg.steps)
     for s in range(step, cfg.steps):
-        batch = draw(cfg.rollout_batch_size)
         train_rng = random.Random(cfg.seed * 1_000_003 + s)
-        timings = {}
         t0 = time.perf_counter()
-        rollout, raw, batch, metrics = sample_step(roles, cfg, batch, draw, sampling_seed(cfg.seed, f"step {s}"))
-        timings["time_generate"] = time.perf_counter() - t0
+        rollout, raw, batch, metrics = ahead.result() if ahead else sample(s)
+        timings = {"time_wait_rollout": time.perf_counter() - t0}
+        ahead = pool.submit(sample, s + 1) if pool and s + 1 < cfg.steps else None  # with the weights trained now
         t0 = time.perf_counter()
         metrics |= make_experience(roles, cfg, rollout, kl_coef, reward_stats, raw)
         timings["time_make_experience"] = time.perf_counter() - t0
@@ -209,6 +237,10 @@ def run(cfg: Config, inputs: dict, output: Path, tracker) -> None:
             metrics |= train_on(roles.critic, cfg, rollout, train_rng)
         timings["time_train"] = time.perf_counter() - t0
         t0 = time.perf_counter()
+        if ahead:
+            ahead.result()  # the engines are done with the old weights before they take the new (raises its error)
+            timings["time_wait_rollout"] += time.perf_counter() - t0
+            t0 = time.perf_counter()
         sync_weights(roles)
         timings["time_weight_sync"] = time.perf_counter() - t0
         step = s + 1
@@ -220,7 +252,10 @@ def run(cfg: Config, inputs: dict, output: Path, tracker) -> None:
         if ckpt_dir and step % cfg.checkpoint_every == 0 and step < cfg.steps:
             checkpoints.save(ckpt_dir, step, roles.trainers,
                              {"log": log, "kl_coef": kl_coef, "eval_reward_before": eval_before,
-                              "order": [p["id"] for p in order], "order_rng": rng.getstate()}, cfg.keep_checkpoints)
+                              "order": [p["id"] for p in order], "order_rng": rng.getstate()}
+                             | ({"ahead": sample_state(ahead.result())} if ahead else {}), cfg.keep_checkpoints)
+    if pool:
+        pool.shutdown()
 
     eval_after = held_out_reward(roles, cfg, eval_prompts)
     tracker.log_metrics({"eval_reward": eval_after, "eval_reward_before": eval_before, "final_kl": log[-1]["kl"]},

@@ -21,6 +21,7 @@ USES_RAY = True
 
 @dataclasses.dataclass
 class Config(trainer.TrainerConfig):
+    packing: bool
     given: str | None  # the config's `from`: a model to use instead of training one
 
     @classmethod
@@ -30,10 +31,10 @@ class Config(trainer.TrainerConfig):
         return cls(**keys, given=given, seed=params["seed"])
 
 
-def tokenize_sft(tokenizer, rows: list[dict]) -> dict:
+def tokenize_sft(tokenizer, rows: list[dict], packed: bool = False) -> dict:
     encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]
     return pad_prompt_response([encode(r["prompt"]) for r in rows], [encode(r["response"]) for r in rows],
-                               tokenizer.pad_token_id)
+                               tokenizer.pad_token_id, packed)
 
 
 def response_nll(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,7 +51,7 @@ class SFTWorker(DeepSpeedWorker):
         self.build_engine(cfg, rank, load_causal_lm)
 
     def loss(self, rows):
-        nll, tokens = response_nll(self.engine, tokenize_sft(self.tokenizer, rows))
+        nll, tokens = response_nll(self.engine, tokenize_sft(self.tokenizer, rows, self.cfg.packing))
         loss = nll / tokens.clamp(min=1)
         return loss, {"loss": loss.detach()}
 
@@ -61,7 +62,7 @@ class SFTWorker(DeepSpeedWorker):
         self.engine.eval()
         results = []
         for piece in trainer.forward_pieces(rows, self.cfg):
-            logp, mask = response_logprobs(self.engine, tokenize_sft(self.tokenizer, piece))
+            logp, mask = response_logprobs(self.engine, tokenize_sft(self.tokenizer, piece, self.cfg.packing))
             results += zip((-logp.sum(-1)).tolist(), mask.sum(-1).tolist())
         self.engine.train()
         return results

@@ -5,7 +5,9 @@ base_model (config and profile resources), control characters in sbatch_extra, r
 data cannot fill (rl rollout_batch_size, sft batch_size, dpo batch_size), a key written twice in a config file and
 a stage whose dataset is not given. And what the DAG holds (issue #23): an experiment file stands on its own (a file
 with only a ppo variant plans no grpo), and without --configfile the demo (config/default.yaml) is planned."""
+import glob
 import json
+import os
 import random
 import re
 import subprocess
@@ -22,6 +24,7 @@ from launcher.resources import LaunchConfigError, check_stages, stage_resources
 from pipeline_helpers import SNAKEMAKE, planned_jobs, planned_outputs, snakemake, write_config
 
 LIMIT_S = 10
+CPUS, GPUS = len(os.sched_getaffinity(0)), len(glob.glob("/dev/nvidia[0-9]*"))  # this machine's, for the local executor
 
 
 def refused(tmp_path, *args: str, **overrides) -> str:
@@ -67,7 +70,12 @@ def test_a_float_for_an_integer_is_refused(tmp_path):
     ({"launcher": {"stages": {"rl": {"gpus_per_node": 2}}}},  # colocated: 2 policy ranks, 1 engine of 1 GPU
      ["stages rl/grpo, rl/ppo: rl.colocate = true on GPUs", "rl.num_workers = 2, but rl.vllm.num_engines x "
       "rl.vllm.tensor_parallel_size = 1 x 1 = 1; set num_workers = 1 or vllm.num_engines = 2, or colocate: false"]),
-], ids=["sft-nodes-on-local", "dpo-workers-do-not-fit", "evaluate-sbatch-extra", "rl-colocated-ranks-not-engine-gpus"])
+    ({"launcher": {"cpus_per_node": 1000}},
+     [f"launcher.cpus_per_node = 1000, but this machine, where the local executor runs the job, has {CPUS} CPUs"]),
+    ({"launcher": {"stages": {"sft": {"gpus_per_node": GPUS + 2}}}},  # (sft's 2 ranks fit)
+     [f"stage sft: launcher.stages.sft.gpus_per_node = {GPUS + 2}, but this machine", f"has {GPUS} GPUs"]),
+], ids=["sft-nodes-on-local", "dpo-workers-do-not-fit", "evaluate-sbatch-extra", "rl-colocated-ranks-not-engine-gpus",
+        "more-cpus-than-this-machine", "more-gpus-than-this-machine"])
 def test_resource_errors_of_any_stage_are_refused(tmp_path, overrides, fragments):
     output = refused(tmp_path, **overrides)
     assert "jobs the launcher would refuse" in output and "bad.yaml" in output, output[-3000:]
@@ -255,3 +263,62 @@ def test_local_row_counts(tmp_path):
     assert count_rows(tmp_path / "c.parquet", spec) == 7
     assert count_rows(tmp_path / "d", spec) == 7
     assert count_rows(tmp_path / "e", spec) == 7 and count_rows(tmp_path / "e", {"split": "test"}) == 2
+
+
+# ---- where results go --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("make, fragments", [
+    (lambda d: {"results_dir": "/"}, ["results_dir = '/'", "system or home directory"]),
+    (lambda d: {"results_dir": "/etc"}, ["results_dir = '/etc'", "system or home directory"]),
+    (lambda d: {"results_dir": "config"}, ["results_dir = 'config'", "a folder of the repository", "results/"]),
+    (lambda d: {"results_dir": str(REPO_ROOT)}, ["a folder of the repository"]),
+    (lambda d: {"results_dir": str(d / "mine")}, ["holds files that alignpipe did not write", ".alignpipe-results"]),
+    (lambda d: {"launcher": {"checkpoint_dir": "/"}}, ["launcher.checkpoint_dir = '/'", "system or home directory"]),
+    (lambda d: {"experiment": "mlflow.db"}, ["experiment = 'mlflow.db' is the name of a file of results_dir"]),
+])
+def test_results_and_checkpoint_directories_must_be_alignpipes(tmp_path, make, fragments):
+    """A stage replaces its output directory: results_dir and checkpoint_dir are new, empty or alignpipe's. Nothing
+    is written anywhere, the user's own files (here a folder with a notes file) stay."""
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("mine")
+    overrides = make(tmp_path)
+    configfile = write_config(tmp_path / "bad.yaml", overrides.pop("results_dir", tmp_path / "results"), **overrides)
+    proc = snakemake(configfile, "all", "--dry-run", check=False)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and all(f in output for f in fragments), output[-3000:]
+    assert sorted(p.name for p in (tmp_path / "mine").iterdir()) == ["notes.txt"]
+    assert not (tmp_path / "results").exists()
+
+
+def test_a_results_directory_alignpipe_wrote_is_taken_and_home_is_expanded(tmp_path, monkeypatch):
+    from launcher.checks import check_output_dirs
+    marked = tmp_path / "marked"
+    marked.mkdir()
+    (marked / "other-experiment").mkdir()
+    (marked / ".alignpipe-results").touch()
+    check_output_dirs(validate_config({"results_dir": str(marked)}), "test")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    config = validate_config({"results_dir": "~/alignpipe-results", "launcher": {"checkpoint_dir": "~/ckpt"}})
+    assert config["results_dir"] == str(tmp_path / "alignpipe-results")
+    assert config["launcher"]["checkpoint_dir"] == str(tmp_path / "ckpt")
+    check_output_dirs(config, "test")
+
+
+def test_a_stage_never_replaces_a_directory_it_did_not_write(tmp_path):
+    """An output directory in the way that no stage wrote (no stage.json) stays, and the stage does not run."""
+    import types
+    from runtime.job import StageJob
+    output = tmp_path / "results" / "tiny" / "sft"
+    output.mkdir(parents=True)
+    (output / "thesis.tex").write_text("mine")
+
+    def run(cfg, inputs, out, tracker):
+        raise AssertionError("the stage ran")
+
+    stage = types.SimpleNamespace(Config=types.SimpleNamespace(from_params=lambda params: None), run=run)
+    job = StageJob(stage="sft", run_name="sft", params={"seed": 0}, inputs={}, output=str(output), experiment="tiny",
+                   tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}", resources={"cluster": "local"},
+                   checkpoint_dir=str(tmp_path / "ckpt"))
+    with pytest.raises(RuntimeError, match="no stage wrote it"):
+        job.run_driver(stage)
+    assert [p.name for p in output.iterdir()] == ["thesis.tex"] and not output.with_name("sft.partial").exists()

@@ -108,11 +108,19 @@ def test_code_hash_follows_imports_and_ignores_comments(tmp_path, monkeypatch):
     assert edit("runtime/job.py", "RUNNER = 2\n") != hashes[-2]
 
 
+SAFETENSORS_FRAME = len(b"{}").to_bytes(8, "little") + b"{}"  # a safetensors file of no tensors: its header only
+
+
+def broken(path: str, name: str, text: bytes) -> str:
+    (Path(path) / name).write_bytes(text)
+    return path
+
+
 def fake_model_dir(path, weights: str = "model.safetensors", chat_template: bool = True, **config):
     """A directory that looks like a Hugging Face model to the config checks (they read only its small files)."""
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps({"model_type": "gpt2"} | config))
-    (path / weights).write_bytes(b"")
+    (path / weights).write_bytes(SAFETENSORS_FRAME)
     (path / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ x }}"} if chat_template else {}))
     return str(path)
 
@@ -143,6 +151,18 @@ def reward_file(path, text):
     (lambda d: {"rl": {"reward": reward_file(d / "r.py", "import no_such_module\n"), "variants": GRPO}},
      ["fails to import"]),
     (lambda d: {"data": {"input_template": "Q: {}\nA: "}}, ["input_template", "apply_chat_template: false"]),
+    # a model directory's files that are not what their names say: named, with where they break
+    (lambda d: {"model": {"path": broken(fake_model_dir(d / "m"), "config.json", b'{"model_type": "gpt2",}')}},
+     ["model.path", "m/config.json is not valid JSON", "line 1 column 23"]),
+    (lambda d: {"model": {"path": broken(fake_model_dir(d / "m"), "tokenizer_config.json", b"\xff\xfe")}},
+     ["model.path", "m/tokenizer_config.json is not valid JSON"]),
+    (lambda d: {"model": {"path": broken(fake_model_dir(d / "m"), "model.safetensors", b"PK\x03\x04 a zip")}},
+     ["model.path", "m/model.safetensors is not a safetensors file"]),
+    (lambda d: {"model": {"path": fake_model_dir(d / "m", n_positions=64)},
+                "data": {"max_prompt_tokens": 16, "max_response_tokens": 16},
+                "evaluate": {"max_new_tokens": 16},
+                "rl": {"reward": reward_file(d / "r.py", SCORES), "max_new_tokens": 100, "variants": GRPO}},
+     ["data.max_prompt_tokens + rl.variants.grpo.max_new_tokens = 16 + 100 tokens", "model.path's 64 positions"]),
 ])
 def test_models_and_reward_files_are_checked_before_anything_runs(tmp_path, make, expected):
     with pytest.raises(ConfigError) as err:
@@ -270,3 +290,36 @@ def test_a_mapping_shared_by_two_datasets_is_read_as_two(tmp_path):
     config = load_config_files([path])
     assert config["data"]["preference"]["path"] == config["data"]["prompts"]["path"] == "builtin:imdb"
     assert "input_key" not in config["data"]["preference"] and "chosen_key" not in config["data"]["prompts"]
+
+
+SCORES = "def reward_fn(prompts, completions, labels):\n    return [0.0] * len(completions)\n"
+
+
+@pytest.mark.parametrize("at_import, fragments", [
+    ("import os\nos._exit(0)\n", ["the process exited with status 0 before reward_fn was checked"]),
+    ("import sys\nprint('bye')\nsys.exit(3)\n", ["exited with status 3", "its last output: bye"]),
+    ("raise KeyboardInterrupt\n", ["was killed by signal 2"]),
+    ("import time\ntime.sleep(1000)\n", ["its import did not finish within 3 s"]),
+])
+def test_a_reward_file_that_ends_or_hangs_its_import_is_refused(tmp_path, monkeypatch, at_import, fragments):
+    """A reward file is imported in a child process with a time limit: what its import does ends the check, never
+    the dry run, and the refusal names the key and the file."""
+    from launcher import config as config_module
+    monkeypatch.setattr(config_module, "REWARD_CHECK_S", 3)
+    path = reward_file(tmp_path / "ends.py", at_import + SCORES)
+    with pytest.raises(ConfigError) as err:
+        validate_config({"rl": {"reward": path, "variants": GRPO}}, source="my.yaml")
+    assert f"my.yaml: rl.variants.grpo.reward (inherited from rl.reward): {path}: " in str(err.value), str(err.value)
+    for fragment in fragments:
+        assert fragment in str(err.value), str(err.value)
+
+
+def test_a_reward_file_is_imported_once_per_dry_run(tmp_path):
+    """Two rl variants and the evaluation name one file: one import, in one child process."""
+    from pipeline_helpers import snakemake, write_config
+    imports = tmp_path / "imports.txt"
+    path = reward_file(tmp_path / "counted.py", f"open({str(imports)!r}, 'a').write('x')\n" + SCORES)
+    configfile = write_config(tmp_path / "c.yaml", tmp_path / "results", rl={"reward": path},
+                              evaluate={"rewards": [path]})
+    snakemake(configfile, "all", "--dry-run")
+    assert imports.read_text() == "x"

@@ -20,6 +20,7 @@ def test_micro_batched_forwards_equal_one_forward(size):
     policy, critic = PolicyWorker(), CriticWorker()
     policy.engine, critic.engine = LlamaForCausalLM(CONFIG).eval(), LlamaForTokenClassification(CONFIG).eval()
     policy.pad_id = critic.pad_id = 0
+    policy.cfg = stage_config(rl, {})
     policy.forward_micro_batch_size = critic.forward_micro_batch_size = None
     whole = policy.logprobs(rollout()), critic.values(rollout())
     policy.forward_micro_batch_size = critic.forward_micro_batch_size = size

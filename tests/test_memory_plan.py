@@ -64,7 +64,7 @@ def test_a_local_model_directory_is_read_and_a_config_it_cannot_count_skips_the_
     model = tmp_path / "qwen"
     model.mkdir()
     (model / "config.json").write_text(json.dumps(HUB_CONFIGS[QWEN_7B]))
-    (model / "model.safetensors").write_bytes(b"")  # the config checks look for weights, not into them
+    (model / "model.safetensors").write_bytes(len(b"{}").to_bytes(8, "little") + b"{}")  # a header, no tensors
     (model / "tokenizer_config.json").write_text(json.dumps({"chat_template": "{{ messages }}"}))
     config = validate_config({"model": {"path": str(model)}, "data": {"sft": {"path": "builtin:imdb"}},  # SFT's job
                               "sft": {"zero_stage": 3},

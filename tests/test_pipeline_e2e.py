@@ -117,7 +117,7 @@ def mlflow_children(tiny_run) -> dict:
 def test_mlflow_runs(tiny_run):
     client = MlflowClient(tracking_uri=tiny_run["mlflow_uri"])
     children = mlflow_children(tiny_run)
-    grid = [f"{method}/seed{seed}" for method in ("dpo", "rl/grpo", "rl/ppo", "evaluate/dpo", "evaluate/grpo")
+    grid = [f"{method}/seed{seed}" for method in ("dpo", "rl/grpo", "rl/ppo", "evaluate/dpo")
             for seed in (0, 1)]
     assert set(children) == {"base_model", "preprocess/sft", "preprocess/pairs", "preprocess/prompts", "sft",
                              "reward_model", "evaluate/base/seed0", "evaluate/sft/seed0", "report", *grid}
@@ -142,11 +142,11 @@ def test_mlflow_runs(tiny_run):
 
 
 def test_grid_tables_equal_mlflow(tiny_run):
-    """2 methods x 2 seeds (dpo, grpo; and ppo in the RL table): a row per method, mean ± std equal to MLflow's."""
+    """dpo x 2 seeds (and grpo and ppo x 2 in the RL table): a row per method, mean ± std equal to MLflow's."""
     children = mlflow_children(tiny_run)
     report = tiny_run["results"] / "report"
     for table, prefix, methods, keys in (
-            ("results.csv", "evaluate/", {"base": 1, "sft": 1, "dpo": 2, "grpo": 2},
+            ("results.csv", "evaluate/", {"base": 1, "sft": 1, "dpo": 2},
              ["reward_sentiment", "reward_reward_model", "kl_to_reference", "perplexity", "response_length"]),
             ("rl.csv", "rl/", {"grpo": 2, "ppo": 2}, ["eval_reward", "eval_reward_before", "final_kl"])):
         rows = list(csv.DictReader((report / table).open()))
@@ -167,7 +167,7 @@ def test_grid_tables_equal_mlflow(tiny_run):
     assert "\\begin{tabular}" in tex and "dpo & 2 & $" in tex and "\\pm" in tex
     assert children["evaluate/dpo/seed1"].info.run_id in tex
     md = (report / "results.md").read_text()
-    assert "| grpo | 2 |" in md and children["evaluate/grpo/seed0"].info.run_id[:8] in md
+    assert "| dpo | 2 |" in md and children["evaluate/dpo/seed0"].info.run_id[:8] in md
 
 
 def test_figures_and_provenance(tiny_run):
@@ -209,7 +209,7 @@ def test_changed_parameter_plans_stage_and_dependents(tiny_run):
     proc = snakemake(changed, "all", "--dry-run")
     # SFT feeds the reward model, DPO and RL (2 seeds each) and every evaluation (each scores with the reward model,
     # evaluate.rewards); the base model and the preprocessed data are untouched.
-    assert planned_jobs(proc.stdout) == {"sft": 1, "reward_model": 1, "dpo": 2, "rl": 4, "evaluate": 6, "report": 1,
+    assert planned_jobs(proc.stdout) == {"sft": 1, "reward_model": 1, "dpo": 2, "rl": 4, "evaluate": 4, "report": 1,
                                          "all": 1}, proc.stdout[-3000:]
     assert "evaluate/sft/seed0" in planned_outputs(proc.stdout)
     changed_dpo = write_config(tiny_run["root"] / "changed_dpo.yaml", tiny_run["root"] / "results", dpo={"beta": 0.2})
@@ -219,18 +219,18 @@ def test_changed_parameter_plans_stage_and_dependents(tiny_run):
     changed_eval = write_config(tiny_run["root"] / "changed_eval.yaml", tiny_run["root"] / "results",
                                 evaluate={"temperature": 0.5})
     proc = snakemake(changed_eval, "all", "--dry-run")
-    assert planned_jobs(proc.stdout) == {"evaluate": 6, "report": 1, "all": 1}, proc.stdout[-3000:]
+    assert planned_jobs(proc.stdout) == {"evaluate": 4, "report": 1, "all": 1}, proc.stdout[-3000:]
     changed_ppo = write_config(tiny_run["root"] / "changed_ppo.yaml", tiny_run["root"] / "results",
                                rl={"variants": {"grpo": {"estimator": "group_norm"}, "ppo": {"estimator": "gae",
                                                                                               "clip_high": 0.28}}})
     proc = snakemake(changed_ppo, "all", "--dry-run")
-    # One method's hyperparameter: only that method's runs and the report (ppo is not evaluated in the tiny config).
+    # One method's hyperparameter: only that method's runs and the report (the tiny config evaluates no rl variant).
     assert planned_outputs(proc.stdout) == {"rl/ppo/seed0", "rl/ppo/seed1", "report"}, proc.stdout[-3000:]
     more_seeds = write_config(tiny_run["root"] / "more_seeds.yaml", tiny_run["root"] / "results", seeds=[0, 1, 2])
     proc = snakemake(more_seeds, "all", "--dry-run")
     # A third seed: only the new seed's method runs, their evaluations and the report; shared stages are kept.
     assert planned_outputs(proc.stdout) == {"dpo/seed2", "rl/grpo/seed2", "rl/ppo/seed2", "evaluate/dpo/seed2",
-                                            "evaluate/grpo/seed2", "report"}, proc.stdout[-3000:]
+                                            "report"}, proc.stdout[-3000:]
 
 
 def test_comment_or_docstring_edit_plans_nothing(tiny_run, tmp_path):
@@ -261,7 +261,7 @@ def test_loss_edit_plans_its_stages_and_dependents(tiny_run, tmp_path):
     })
     # The reward model feeds every evaluation (its column of the table) and grpo and ppo (reward `model` or not, every
     # rl run reads the trained objectives); base_model, preprocess and sft themselves stay.
-    assert planned_jobs(stdout) == {"reward_model": 1, "dpo": 2, "rl": 4, "evaluate": 6, "report": 1, "all": 1}, \
+    assert planned_jobs(stdout) == {"reward_model": 1, "dpo": 2, "rl": 4, "evaluate": 4, "report": 1, "all": 1}, \
         stdout[-3000:]
     assert not {"sft", "base_model", "preprocess/sft"} & planned_outputs(stdout)
 

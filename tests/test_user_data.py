@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from launcher.config import stage_config, validate_config
+from launcher.config import ConfigError, stage_config, validate_config
 from pipeline_helpers import snakemake, write_config
 from runtime import builtin_data, user_data
 from runtime.models import CHATML, train_tiny_tokenizer
@@ -73,9 +73,9 @@ def test_other_roles_and_formats(tmp_path):
         user_data.check_datasets(data, tmp_path / "checked.json")
     message = str(err.value)
     assert f"{sft}, line 2: missing key 'answer'" in message and f"{sft}, line 3: 'question' is empty" in message
-    assert f"{tmp_path / 'p.parquet'}, row 1: missing key 'text'" in message
-    assert f"{tmp_path / 'p.parquet'}, row 2: missing key 'answer'" in message
-    assert f"{tmp_path / 'eval.csv'}, line 3: missing key 'text'" in message
+    assert f"{tmp_path / 'p.parquet'}, row 1: 'text' has no value (null, or an empty cell)" in message
+    assert f"{tmp_path / 'p.parquet'}, row 2: 'answer' has no value" in message
+    assert f"{tmp_path / 'eval.csv'}, line 3: 'text' has no value" in message
     assert "line 2" not in message.split(str(tmp_path / "eval.csv"))[0].split(str(tmp_path / "p.parquet"))[-1]
     data = data_block(sft={"path": str(chat), "messages_key": "messages"})
     with pytest.raises(user_data.DataError) as err:
@@ -86,7 +86,7 @@ def test_other_roles_and_formats(tmp_path):
 
 def test_non_utf8_missing_file_and_a_cap_on_the_list(tmp_path):
     latin = tmp_path / "latin.jsonl"
-    latin.write_bytes(b'{"prompt": "ok"}\n{"prompt": "caf\xe9"}\n')
+    latin.write_bytes(b'{"prompt": "ok"}\n{"prompt": "caf\xe9"}\n{"prompt": ""}\n')  # the scan goes on after it
     many = write_rows(tmp_path / "many.jsonl", [{"prompt": ""}] * 30)
     data = data_block(sft={"path": str(tmp_path / "nope.jsonl")}, prompts={"path": str(latin)},
                       eval={"path": str(many)})
@@ -94,7 +94,16 @@ def test_non_utf8_missing_file_and_a_cap_on_the_list(tmp_path):
         user_data.check_datasets(data, tmp_path / "checked.json")
     message = str(err.value)
     assert "nope.jsonl': no such file" in message and f"{latin}, line 2: not UTF-8 text (byte 0xe9)" in message
-    assert "32 bad rows" in message and "... and 12 more" in message
+    assert f"{latin}, line 3: 'prompt' is empty" in message
+    assert "33 bad rows" in message and "... and 13 more" in message
+
+
+def test_line_separators_inside_json_strings_are_text(tmp_path):
+    """JSON Lines end at "\\n" only: U+2028, U+2029 and U+0085 inside a string are part of the text."""
+    rows = [{"prompt": f"first{sep}second", "label": "x"} for sep in ("\u2028", "\u2029", "\x85")]
+    path = tmp_path / "p.jsonl"
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    user_data.check_datasets(data_block(prompts={"path": str(path), "label_key": "label"}), tmp_path / "checked.json")
 
 
 def test_a_checked_file_is_not_read_again_until_it_changes(tmp_path, monkeypatch):
@@ -194,3 +203,35 @@ def test_a_key_must_keep_one_type_in_a_file(tmp_path):
                                  tmp_path / "checked.json")
     assert f"{mixed}, line 2: 'chosen' is a list here but text on line 1" in str(err.value)
     assert "'margin'" not in str(err.value)
+
+
+def test_a_local_path_with_a_typo_is_not_taken_for_a_hub_id(tmp_path):
+    """`org/name` that is not here is a hub id, unless it ends like a file or its first folder exists here: then it
+    is a local path with a typo, refused before anything is queued, not looked up on the hub in its stage."""
+    assert user_data.is_hub("meta-llama/Meta-Llama-3-8B-Instruct") and user_data.is_hub("Qwen/Qwen2.5-0.5B")
+    assert not user_data.is_hub("data/good_sfft.jsonl") and not user_data.is_hub("config/mymodell")
+    with pytest.raises(user_data.DataError, match="good_sfft.jsonl': no such file"):
+        user_data.check_datasets(data_block(sft={"path": "data/good_sfft.jsonl"}), tmp_path / "checked.json")
+    with pytest.raises(ConfigError, match="model.path = 'config/mymodell': not a Hugging Face causal-LM directory"):
+        validate_config({"model": {"path": "config/mymodell"}})
+
+
+def test_a_json_array_a_latin1_csv_and_a_named_pipe_are_each_named(tmp_path):
+    """A pretty-printed .json array is read as the array it is (rows named by index), a CSV that is not UTF-8 is
+    named with its line, and a named pipe is refused at once (reading it would wait for a writer forever)."""
+    array = tmp_path / "rows.json"
+    array.write_text(json.dumps([{"prompt": "p", "label": "x"}, {"prompt": "", "label": "y"}], indent=2))
+    latin = tmp_path / "latin.csv"
+    latin.write_bytes(b"prompt,label\nok,1\ncaf\xe9,2\n")
+    pipe = tmp_path / "pipe.jsonl"
+    os.mkfifo(pipe)
+    data = data_block(prompts={"path": str(array), "label_key": "label"}, eval={"path": str(latin), "label_key": "label"},
+                      sft={"path": str(pipe)})
+    with pytest.raises(user_data.DataError) as err:
+        user_data.check_datasets(data, tmp_path / "checked.json")
+    message = str(err.value)
+    assert f"{array}, row 1: 'prompt' is empty" in message and "row 0" not in message, message
+    assert f"{latin}, line 3 (byte 0xe9): not UTF-8 text" in message, message
+    assert "pipe.jsonl': not a regular file or directory (a pipe or a device?)" in message, message
+    array.write_text(json.dumps([{"prompt": "p", "label": "x"}], indent=2))
+    user_data.check_datasets(data_block(prompts={"path": str(array), "label_key": "label"}), tmp_path / "checked.json")

@@ -2,9 +2,9 @@
 Mistral models, built and saved here as a user has them), their SFT, preference, RL-prompt and eval files, their
 reward file. Every stage through a Qwen2 chat model; the three experiments of config/ (README, "Your own model and
 data"), each holding only its stages: RL with a verifiable reward on a given instruct model (built-in arithmetic,
-tiny Mistral), SFT then DPO on the user's pairs (Qwen2), the full RLHF chain (GPT-2, a base model); then an
-experiment started from an SFT model and a reward model the user already has. Each runs its DAG through the real
-parts."""
+tiny Mistral) and the full RLHF chain (GPT-2, a base model) run; SFT then DPO on the user's pairs is planned, its
+stages being the Qwen2 run's; then an experiment started from an SFT model and a reward model the user already has.
+Each run goes through the real parts."""
 import csv
 import json
 import math
@@ -17,10 +17,11 @@ import yaml
 from mlflow.tracking import MlflowClient
 from transformers import AutoTokenizer
 
-from launcher.config import REPO_ROOT, deep_merge
+from launcher.config import REPO_ROOT, deep_merge, load_config_files, report_params
 from pipeline_helpers import planned_jobs, planned_outputs, run_dag, snakemake, write_config
 from runtime.builtin_data import arithmetic_rows
 from runtime.models import build_tiny
+from stages.report import Config as ReportConfig, describe_experiment
 
 pytestmark = pytest.mark.e2e
 WORDS = ("apple pear plum grape lemon melon cherry peach mango olive bread cheese honey pepper onion carrot "
@@ -33,11 +34,11 @@ def reward_fn(prompts, completions, labels):
 '''
 
 
-EVALUATED = ("base", "sft", "dpo", "grpo", "ppo")
-# The GPT-2 run (config/rlhf-ppo.yaml: sft, reward model, ppo) evaluates the base model and PPO's policy only: the
-# Qwen2 run evaluates every model of its DAG; here what is GPT-2's own is the base model's template, its reward head
-# and PPO's GPT-2 critic and LoRA.
-GPT2_EVALUATED = ("base", "ppo")
+# The models evaluated: a trained one of each kind (DPO's, and an RL policy with its LoRA merged) in the Qwen2 run;
+# PPO's in the GPT-2 run (config/rlhf-ppo.yaml), whose own parts are the base model's template, its reward head and
+# PPO's GPT-2 critic and LoRA. Evaluating every model of a DAG (the default) is the RL-only run's and the tiny run's.
+EVALUATED = ("dpo", "ppo")
+GPT2_EVALUATED = ("ppo",)
 # The trainers of config/tiny.yaml's size, for the shipped experiments run on a tiny model.
 TINY_TRAINER = {"zero_stage": 0, "num_workers": 1, "batch_size": 8, "micro_batch_size": 4, "learning_rate": 1.0e-3,
                 "warmup_steps": 1}
@@ -97,11 +98,12 @@ def user_config(root: Path, model_dir: Path, files: dict, chat: bool, ppo: dict 
     data = files["data"] | ({} if chat else {"apply_chat_template": False, "input_template": "User: {}\nAssistant: "})
     settings = dict(
         experiment=root.name, seeds=None, model={"path": str(model_dir)}, data=data,
-        sft={"lora_rank": 4, "lora_alpha": 8}, reward_model={"lora_rank": 4, "lora_alpha": 8, "lora_targets": "all-linear"},
+        sft={"lora_rank": 4, "lora_alpha": 8, "packing": True}, dpo={"packing": True},
+        reward_model={"lora_rank": 4, "lora_alpha": 8, "lora_targets": "all-linear"},
         rl={"steps": 4, "eval_prompts": 8, "reward": files["reward"],
-            # grpo with GSPO's sequence-level loss (its paper's clip range) and DAPO's overlong mask
+            # grpo with GSPO's sequence-level loss (its paper's clip range), DAPO's overlong mask, packed forwards
             "variants": {"grpo": {"estimator": "group_norm", "policy_loss": "gspo", "clip_low": 3e-4, "clip_high": 4e-4,
-                                  "overlong": "mask"},
+                                  "overlong": "mask", "packing": True},
                          "ppo": {"estimator": "gae", "reward": "model", "lora_rank": 4} | (ppo or {})}},
         evaluate={"models": list(EVALUATED), "rewards": [files["reward"], "model"]})
     root.mkdir(parents=True, exist_ok=True)
@@ -201,15 +203,22 @@ def test_users_model_data_and_reward_through_the_whole_dag(request, run_name, ar
     assert f"LoRA r4 on {', '.join(every)}:" in (results / "logs" / "reward_model.log").read_text()  # all-linear
 
 
-def test_gspo_and_the_overlong_mask_through_the_real_parts(qwen2_run):
-    """The qwen2 run's grpo: GSPO's loss (clip fraction per sequence) and DAPO's overlong mask, every step."""
+def test_gspo_overlong_mask_and_packing_through_the_real_parts(qwen2_run):
+    """The qwen2 run's grpo: GSPO's loss (clip fraction per sequence), DAPO's overlong mask and packed forwards (fewer
+    positions computed than the padded batches hold) every step; its SFT and DPO trained packed too."""
     log = data_rows(qwen2_run["results"] / "rl" / "grpo" / "seed0" / "train_log.jsonl")
     assert len(log) == 4 and all(math.isfinite(s["policy_loss"]) and 0 <= s["clip_fraction"] <= 1 for s in log)
     assert all(s["overlong_masked"] == pytest.approx(s["truncated"]) for s in log)  # a cut row is a masked row
+    assert all(0 < s["forward_tokens"] < s["padded_tokens"] for s in log), log
+    ppo = data_rows(qwen2_run["results"] / "rl" / "ppo" / "seed0" / "train_log.jsonl")
+    assert all(s["forward_tokens"] == s["padded_tokens"] for s in ppo)  # ppo's not packed
     client = qwen2_run["mlflow"]
     [run] = client.search_runs([client.get_experiment_by_name("user-qwen2").experiment_id],
                                "attributes.run_name = 'rl/grpo/seed0'")
     assert run.data.params["rl.policy_loss"] == "gspo" and run.data.params["rl.overlong"] == "mask"
+    assert run.data.params["rl.packing"] == "True"
+    sft = json.loads((qwen2_run["results"] / "sft" / "metrics.json").read_text())
+    assert sft["eval_loss_after"] < sft["eval_loss_before"], sft  # trained packed, evaluated packed
 
 
 def test_cluster_settings_run_on_cpu(qwen2_run):
@@ -276,8 +285,7 @@ def test_full_rlhf_chain_holds_only_its_stages(gpt2_run):
     """config/rlhf-ppo.yaml: SFT, a reward model trained because PPO scores with it, PPO from the SFT model; no DPO."""
     results = gpt2_run["results"]
     assert made_stages(results) == {"base_model", "preprocess/sft", "preprocess/pairs", "preprocess/prompts", "sft",
-                                    "reward_model", "rl/ppo/seed0", "evaluate/base/seed0", "evaluate/ppo/seed0",
-                                    "report"}
+                                    "reward_model", "rl/ppo/seed0", "evaluate/ppo/seed0", "report"}
     inputs = json.loads((results / "rl" / "ppo" / "seed0" / "stage.json").read_text())["inputs"]
     assert Path(inputs["model"]) == (results / "sft").resolve()
     assert Path(inputs["reward_model"]) == (results / "reward_model").resolve()
@@ -371,7 +379,9 @@ def test_dpo_only_and_sft_only_experiments_plan_only_their_stages(tmp_path):
 
 
 def test_sft_then_dpo_on_the_users_pairs(qwen2_run, tmp_path):
-    """config/sft-dpo.yaml on the user's Qwen2 model and files: SFT, DPO from it; no reward model, no RL."""
+    """config/sft-dpo.yaml on the user's Qwen2 model and files plans SFT, DPO from it, their evaluation and the
+    report; no reward model, no RL. Its stages are the Qwen2 run's (the same model and files, SFT then DPO from it on
+    the user's pairs): the file is planned here and its report's prose written, not run a second time."""
     root = tmp_path / "sft-dpo"
     files = qwen2_run["files"]
     configfile = shipped_config(
@@ -379,17 +389,16 @@ def test_sft_then_dpo_on_the_users_pairs(qwen2_run, tmp_path):
         data={k: files["data"][k] for k in ("sft", "preference", "eval")} | {"max_prompt_tokens": 48,
                                                                             "max_response_tokens": 24},
         sft=TINY_TRAINER, dpo=TINY_TRAINER | {"learning_rate": 5.0e-4},
-        evaluate={"models": ["dpo"], "rewards": [files["reward"]], "num_prompts": 16, "max_new_tokens": 16})
-    run_dag(configfile)
-    results = root / "results" / "sft-dpo"
-    # (evaluate.models: dpo only here, to save time; the default, every model, is the rl-only run's)
-    assert made_stages(results) == {"base_model", "preprocess/sft", "preprocess/pairs", "preprocess/prompts", "sft",
-                                    "dpo/seed0", "evaluate/dpo/seed0", "report"}
+        evaluate={"rewards": [files["reward"]], "num_prompts": 16, "max_new_tokens": 16})
+    plan = snakemake(configfile, "all", "--dry-run").stdout
+    assert planned_outputs(plan, "sft-dpo") == {  # evaluate.models: every model the DAG makes
+        "base_model", "preprocess/sft", "preprocess/pairs", "preprocess/prompts", "sft", "dpo/seed0",
+        "evaluate/base/seed0", "evaluate/sft/seed0", "evaluate/dpo/seed0", "report"}, plan[-3000:]
+    prose = describe_experiment(ReportConfig.from_params(report_params(load_config_files([configfile]))))
+    assert "Reward model: none (nothing scores with it)." in prose and "DPO: on the pairs of" in prose \
+        and "RL: none." in prose
+    results = qwen2_run["results"]
     inputs = json.loads((results / "dpo" / "seed0" / "stage.json").read_text())["inputs"]
     assert Path(inputs["model"]) == (results / "sft").resolve()
     dpo = json.loads((results / "dpo" / "seed0" / "metrics.json").read_text())
     assert dpo["eval_margin"] > 0, dpo  # the user's pairs: the requested word over another
-    table = list(csv.DictReader((results / "report" / "results.csv").open()))
-    assert [row["method"] for row in table] == ["dpo"]
-    report = (results / "report" / "report.md").read_text()
-    assert "Reward model: none (nothing scores with it)." in report and "RL: none." in report

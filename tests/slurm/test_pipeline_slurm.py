@@ -43,7 +43,7 @@ def tiny_slurm_config(path: Path, results: Path) -> Path:
     config = yaml.safe_load((REPO_ROOT / "config" / "tiny.yaml").read_text())
     config["results_dir"] = str(results)
     config["sft"] |= {"epochs": SFT_EPOCHS, "checkpoint_every": CHECKPOINT_EVERY, "num_workers": 2}
-    config["evaluate"]["models"] = ["base", "sft"]
+    config["evaluate"]["models"] = ["sft"]
     config["seeds"] = None  # each method once
     config["dpo"] = None  # no DPO: it trains through the same launcher, Ray and DeepSpeed path as sft and reward_model
     # The GPU job's mem_gb: the memory plan (launcher/memory.py) counts 3 GB of host memory per GPU process and lets

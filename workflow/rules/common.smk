@@ -36,6 +36,9 @@ SEEDED_MODELS = seeded_models(config)
 RL_VARIANTS = STAGES["variants"]
 # How stages are submitted and tracked: passed to the launcher, never part of a stage's cache key.
 RUN_CONTEXT = {key: config[key] for key in ("experiment", "results_dir", "launcher", "tracking")}
+# Which of the stages ready to start goes first (Snakemake starts the highest first; evaluate and report are 0): the
+# training stages, longest-waited-on first, so that a DAG's last minutes are not one long RL run after the evaluations.
+PRIORITY = {"sft": 4, "reward_model": 3, "rl": 2, "dpo": 1}
 LAUNCH = "{params.launch} {params.stage:q} {params.job_io:q} {output:q} --log {log:q}"
 
 

@@ -7,6 +7,7 @@ rule dpo:
         directory(f"{RESULTS}/dpo/seed{{seed}}"),
     wildcard_constraints:
         seed=r"\d+",
+    priority: PRIORITY["dpo"]
     log:
         f"{RESULTS}/logs/dpo-seed{{seed}}.log",
     params:

@@ -8,6 +8,7 @@ rule reward_model:
     message:
         f"reward_model: using the given reward model {config['reward_model']['from']} (evaluated, not trained)"
         if config["reward_model"]["from"] else None
+    priority: PRIORITY["reward_model"]
     log:
         f"{RESULTS}/logs/reward_model.log",
     params:

@@ -10,6 +10,7 @@ rule rl:
     wildcard_constraints:
         variant="|".join(RL_VARIANTS) or "(?!)",  # (no variants: no rl job)
         seed=r"\d+",
+    priority: PRIORITY["rl"]
     log:
         f"{RESULTS}/logs/rl-{{variant}}-seed{{seed}}.log",
     params:

@@ -7,6 +7,7 @@ rule sft:
         directory(f"{RESULTS}/sft"),
     message:
         f"sft: using the given model {config['sft']['from']} (not trained)" if config["sft"]["from"] else None
+    priority: PRIORITY["sft"]
     log:
         f"{RESULTS}/logs/sft.log",
     params:
