@@ -56,6 +56,7 @@ def test_outputs_and_metrics(tiny_run):
     assert "Stages: base_model, preprocess, sft, reward_model, dpo, rl (grpo, ppo), evaluate, report." in report
     assert "Reward model: trained on the pairs of `builtin:rotten_tomatoes`" in report
     assert not list(results.rglob("*.partial")), "a partial output was left behind"
+    assert (results.parent / ".alignpipe-results").exists(), "results_dir is marked as alignpipe's"
 
 
 def test_reward_model_beats_chance(tiny_run):
