@@ -191,7 +191,7 @@ def follow_log(job, log_path: Path, run_name: str = "", slurm: bool = False, pol
     requeued.
     `watch`, if given, is called at every poll; it returning true (the launcher is orphaned) ends the wait with
     Orphaned."""
-    position, state, last_poll, unknown_since, ran = 0, "", 0.0, None, False
+    position, state, last_poll, unknown_since, ran, pending = 0, "", 0.0, None, False, ""
     result_pickle = job.task(0).paths.result_pickle
     while True:
         if watch is not None and watch():
@@ -226,11 +226,47 @@ def follow_log(job, log_path: Path, run_name: str = "", slurm: bool = False, pol
                 chunk = fh.read()
                 position += len(chunk)
             if chunk:
-                sys.stdout.write(chunk.decode(errors="replace"))
-                sys.stdout.flush()
+                pending = echo(pending + chunk.decode(errors="replace"))
         if done:
+            echo(pending + "\n") if pending else None
             return state
         time.sleep(poll_s)
+
+
+# Lines of a good run that ask nothing of the user: kept in the stage's log, not echoed to the terminal.
+QUIET_LINES = re.compile("|".join([
+    # vLLM's CPU build at each engine start: the settings runtime/rollout.engine_options chooses on CPU (eager, fp32,
+    # seeded requests, chunked prefill off: tests/test_weight_sync.py checks vLLM's log-probs against the trainer's
+    # after every sync) and a build without Triton, tcmalloc or Intel OpenMP
+    r"The global random seed is set to", r"does not officially support disabling chunked prefill",
+    r"Enforce eager set, disabling torch.compile", r"Inductor compilation was disabled by user settings",
+    r"Triton is not installed", r"Triton not available, find_triton_kernels", r"Model Runner V2 requires Triton",
+    r"Reset SSM cache type to float32", r"is not found in LD_PRELOAD",
+    r"allow to use `torch.set_num_threads` after the thread binding", r"NUMA binding: Using MEMBIND policy",
+    # the in-memory weight sync: the tied LM head and the rotary embedding have no weights of their own to load
+    # (tests/test_weight_sync.py: vLLM's log-probs equal the trainer's after each sync)
+    r"(ParallelLMHead|RotaryEmbedding): Failed to load weights",
+    r"Setting accelerator to CPU\. If you have GPU",  # DeepSpeed on a job without GPUs
+    r"FutureWarning: `torch\.distributed\.",  # torch's deprecations inside DeepSpeed and vLLM
+]))
+RAY_PREFIX = re.compile(r"^(\x1b\[\d+m)?\(\w+ pid=\d+(, ip=[\d.]+)?\)(\x1b\[0m)? ")  # "(SFTWorker pid=12, ip=..) "
+
+
+def echo(text: str) -> str:
+    """Print the whole lines of `text` but the QUIET_LINES (a Python warning's source line after it goes too);
+    return the unfinished last line."""
+    lines = text.split("\n")
+    quiet_source = False
+    for line in lines[:-1]:
+        bare = RAY_PREFIX.sub("", line)
+        if quiet_source and bare.startswith("  "):
+            quiet_source = False
+            continue
+        quiet_source = bool(QUIET_LINES.search(line)) and "Warning: " in line
+        if not QUIET_LINES.search(line):
+            sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+    return lines[-1]
 
 
 def _outcome(result_pickle: Path) -> str | None:

@@ -131,6 +131,15 @@ def row_problems(role: str, spec: dict, row) -> list[str]:
                 problems.append(f"{spec['margin_key']!r} must be a finite number, got {margin!r}")
         if not problems and row[spec["chosen_key"]] == row[spec["rejected_key"]]:
             problems.append("chosen and rejected are identical, so the pair says nothing")
+        chats = [row[k] for k in (spec["chosen_key"], spec["rejected_key"]) if isinstance(row.get(k), list)]
+        if not problems and len(chats) == 2:  # two conversations: one shared context, then the two replies
+            chosen, rejected = chats
+            if chosen[:-1] != rejected[:-1]:
+                problems.append(f"{spec['chosen_key']!r} and {spec['rejected_key']!r} differ before their last "
+                                "message; a pair shares its conversation and differs in the last reply only")
+            for key, chat in zip((spec["chosen_key"], spec["rejected_key"]), chats):
+                if chat[-1]["role"] != "assistant":
+                    problems.append(f"the last message of {key!r} must be the assistant's reply")
     else:  # prompts, eval
         if present(spec["input_key"]):
             problems += _text_or_messages(row[spec["input_key"]], spec["input_key"])

@@ -246,3 +246,22 @@ def test_slurm_lock_holds_while_squeue_knows_the_job(tmp_path, monkeypatch):
     submitted = Submitted()
     state.write_text("RUNNING\n")
     assert cancel_job(submitted, "slurm") and submitted.cancelled == [False]
+
+
+def test_the_terminal_gets_the_log_without_the_lines_that_ask_nothing(capsys):
+    """The launcher echoes a job's log but its QUIET_LINES (and a quieted Python warning's source line), with or
+    without Ray's actor prefix; everything else, and the stage's log file, stay whole."""
+    from launcher.submit import echo
+    log = ("[sft] step 1/16\n"
+           "\x1b[36m(Engine pid=12)\x1b[0m WARNING 12-02 10:37:33 [arg_utils.py:1945] The global random seed is set to 0.\n"
+           "(SFTWorker pid=3, ip=10.0.0.2) /x/c10d_logger.py:83: FutureWarning: `torch.distributed.all_gather_into_"
+           "tensor` is deprecated.\n"
+           "(SFTWorker pid=3, ip=10.0.0.2)   return func(*args, **kwargs)\n"
+           "WARNING 12-02 [layerwise.py:266] ParallelLMHead: Failed to load weights\n"
+           "ERROR something the user must see\n"
+           "  an indented line of the stage's own\n"
+           "[sft] step 2/1")
+    rest = echo(log)
+    assert capsys.readouterr().out == ("[sft] step 1/16\nERROR something the user must see\n"
+                                       "  an indented line of the stage's own\n")
+    assert rest == "[sft] step 2/1"

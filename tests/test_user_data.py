@@ -36,6 +36,12 @@ BAD_PAIRS = [  # (row, what the message says), each on its own line after a good
     ({"chosen": [{"role": "assistant", "content": ""}], "rejected": "x"}, "chosen[0].content is missing or empty"),
     ({"chosen": 3, "rejected": "x"}, "'chosen' must be text"),
     ('{"chosen": "a", "rejected": "b", "margin": NaN}', "'margin' must be a finite number, got nan"),
+    ({"chosen": [{"role": "user", "content": "Thoughts?"}, {"role": "assistant", "content": "Loved it."}],
+      "rejected": [{"role": "user", "content": "Opinions?"}, {"role": "assistant", "content": "Hated it."}]},
+     "'chosen' and 'rejected' differ before their last message"),
+    ({"chosen": [{"role": "assistant", "content": "Hi."}, {"role": "user", "content": "Great."}],
+      "rejected": [{"role": "assistant", "content": "Hi."}, {"role": "assistant", "content": "Bad."}]},
+     "the last message of 'chosen' must be the assistant's reply"),
 ]
 
 
