@@ -70,22 +70,27 @@ def tracking_uri(config: dict) -> str:
             or f"sqlite:///{results_root(config) / 'mlflow.db'}")
 
 
+def chosen_checkpoint_root(context: dict) -> Path | None:
+    """launcher.checkpoint_dir (relative to the repository root unless absolute), or None where it is not set."""
+    chosen = context["launcher"].get("checkpoint_dir")
+    return (REPO_ROOT / chosen).resolve() if chosen else None
+
+
 def mark_as_alignpipes(context: dict) -> None:
     """The marker that tells later runs (launcher/checks.check_output_dirs) that results_dir, and
     launcher.checkpoint_dir where set, are alignpipe's."""
-    chosen = context["launcher"].get("checkpoint_dir")
-    for root in [results_root(context)] + ([(REPO_ROOT / chosen).resolve()] if chosen else []):
-        root.mkdir(parents=True, exist_ok=True)
-        (root / RESULTS_MARKER).touch()
+    for root in (results_root(context), chosen_checkpoint_root(context)):
+        if root is not None:
+            root.mkdir(parents=True, exist_ok=True)
+            (root / RESULTS_MARKER).touch()
 
 
 def checkpoint_dir(context: dict, run_name: str, params: dict) -> Path:
     """Where a stage keeps resumable state: survives requeues and failures, keyed by the stage's config. Under
     launcher.checkpoint_dir (a shared filesystem on clusters, relative to the repository root unless absolute)
     or, by default, the experiment's results."""
-    chosen = context["launcher"].get("checkpoint_dir")
-    root = (REPO_ROOT / chosen).resolve() / context["experiment"] if chosen else \
-        results_root(context) / context["experiment"] / "checkpoints"
+    chosen = chosen_checkpoint_root(context)
+    root = chosen / context["experiment"] if chosen else results_root(context) / context["experiment"] / "checkpoints"
     return root / run_name.replace("/", "-") / config_hash(params)
 
 
@@ -187,8 +192,8 @@ def follow_log(job, log_path: Path, run_name: str = "", slurm: bool = False, pol
 
     A requeued job keeps its id and appends to the same log, so the echo simply continues. The job is over when
     task 0 has stored a successful result, or when its process ended (local) or Slurm says the job has ended: a
-    result file alone does not end it, since a task of an interrupted attempt may have left one before the job was
-    requeued.
+    failed result alone does not end it on Slurm, since a task of an interrupted attempt may have left one before
+    the job was requeued.
     `watch`, if given, is called at every poll; it returning true (the launcher is orphaned) ends the wait with
     Orphaned."""
     position, state, last_poll, unknown_since, ran, pending = 0, "", 0.0, None, False, ""
@@ -258,12 +263,12 @@ def echo(text: str) -> str:
     lines = text.split("\n")
     quiet_source = False
     for line in lines[:-1]:
-        bare = RAY_PREFIX.sub("", line)
-        if quiet_source and bare.startswith("  "):
+        if quiet_source and RAY_PREFIX.sub("", line).startswith("  "):
             quiet_source = False
             continue
-        quiet_source = bool(QUIET_LINES.search(line)) and "Warning: " in line
-        if not QUIET_LINES.search(line):
+        quiet = QUIET_LINES.search(line) is not None
+        quiet_source = quiet and "Warning: " in line
+        if not quiet:
             sys.stdout.write(line + "\n")
     sys.stdout.flush()
     return lines[-1]

@@ -227,7 +227,8 @@ def run(cfg: Config, inputs: dict, output: Path, tracker) -> None:
         t0 = time.perf_counter()
         rollout, raw, batch, metrics = ahead.result() if ahead else sample(s)
         timings = {"time_wait_rollout": time.perf_counter() - t0}
-        ahead = pool.submit(sample, s + 1) if pool and s + 1 < cfg.steps else None  # with the weights trained now
+        # step s + 1 samples now, with the weights the engines hold: those before this step's update
+        ahead = pool.submit(sample, s + 1) if pool and s + 1 < cfg.steps else None
         t0 = time.perf_counter()
         metrics |= make_experience(roles, cfg, rollout, kl_coef, reward_stats, raw)
         timings["time_make_experience"] = time.perf_counter() - t0
