@@ -20,6 +20,8 @@ import unicodedata
 # launcher.stages.<stage>.<key>, the profile's resources.
 RESOURCE_KEYS = ("cluster", "nodes", "gpus_per_node", "cpus_per_node", "mem_gb", "timeout_min", "partition",
                  "account", "sbatch_extra")
+# The job's stall watch (runtime/progress.py) and the launcher's one requeue of a stalled job: config keys only.
+STALL_KEYS = ("stall_min", "requeue_stalled")
 CLUSTERS = ("local", "slurm")
 # Resource names of Snakemake's own Slurm executor plugin: easy to write by habit, but not read here.
 FOREIGN_RESOURCES = {"slurm_partition": "partition", "slurm_account": "account", "slurm_extra": "sbatch_extra",
@@ -116,7 +118,7 @@ def stage_resources(stage: str, launcher: dict, profile: dict | None = None) -> 
     """(resources, where each came from) for one stage: the config's launcher block, overridden by its
     `launcher.stages.<stage>` entry, overridden by the Snakemake resources that the profile gave the rule."""
     resources, sources = {}, {}
-    for key in RESOURCE_KEYS:
+    for key in RESOURCE_KEYS + STALL_KEYS:
         resources[key], sources[key] = launcher[key], f"launcher.{key}"
     for key, value in (launcher.get("stages") or {}).get(stage, {}).items():
         resources[key], sources[key] = value, f"launcher.stages.{stage}.{key}"

@@ -11,6 +11,9 @@ its own resumable state in its checkpoint directory (launcher.checkpoint_dir or 
 stage's config), so the requeued job resumes from its last checkpoint; that directory is deleted once the stage
 succeeds.
 
+Stalls: a job whose stall watch failed it (no step for launcher.stall_min: runtime/progress.py) is submitted once
+more where launcher.requeue_stalled allows it; it resumes from its last checkpoint, and a second stall fails it.
+
 No orphans, no double runs. While it waits, the launcher watches the Snakemake that started it: if Snakemake is
 stopped (Ctrl-C, SIGTERM, SIGHUP) or dies (kill -9: the launcher is orphaned), it cancels its job (Slurm: scancel;
 local: the job's whole process tree) and removes `<output>.partial` rather than leave the job publishing an output
@@ -49,9 +52,11 @@ from launcher.resources import (LaunchConfigError, check_fits, check_slurm, chec
 from launcher.supervise import ACTIVE_STATES, OutputLock, StageFailed, Orphaned, supervise, Watch
 from runtime.checkpoints import UnsafeDirectory, refuse_world_writable
 from runtime.job import StageJob
+from runtime.progress import STALL_MARK
 
 FINAL_WAIT_S = 60          # how long a finished job's output may take to appear (network file systems)
 STATE_POLL_S = 10          # how often the Slurm state is checked while a job runs
+PICKLES = "the job's pickles"
 UMASK_ENV = "ALIGNPIPE_UMASK"
 DEFAULT_UMASK = 0o027      # results, checkpoints and pickles: readable by the owner's group at most
 
@@ -136,9 +141,8 @@ def launch_stage(job: dict, job_io: dict, output: str) -> None:
     partial = output_path.with_name(output_path.name + ".partial")
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S-%f")
     log_dir = results_root(context) / context["experiment"] / "logs" / run_name.replace("/", "-") / stamp
-    pickles = "the job's pickles"
     try:  # the job loads its pickle from there, and this launcher the job's result
-        refuse_world_writable(log_dir, len(log_dir.relative_to(results_root(context)).parts), pickles)
+        refuse_world_writable(log_dir, len(log_dir.relative_to(results_root(context)).parts), PICKLES)
     except UnsafeDirectory as err:
         raise StageFailed(f"stage {run_name} was not submitted: {err}") from None
     job_spec = StageJob(stage=stage, run_name=run_name, params=job["config"], inputs=inputs,
@@ -146,36 +150,16 @@ def launch_stage(job: dict, job_io: dict, output: str) -> None:
                         tracking_uri=tracking_uri(context), resources=resources,
                         checkpoint_dir=str(checkpoint_dir(context, run_name, job["config"])))
     with OutputLock(output_path, run_name) as lock:  # refuses while another job produces this output
-        if watch.orphaned():
-            raise StageFailed(f"stage {run_name} was not submitted: the Snakemake that started this launcher is gone")
-        try:
-            submitted = make_executor(stage, log_dir, resources).submit(job_spec)
-        except Exception as err:  # e.g. sbatch refusing what --test-only accepted a moment ago
-            raise StageFailed(f"stage {run_name} could not be submitted ({describe(resources)}): {err}") from None
-        lock.holds(submitted.job_id, resources["cluster"], log_dir)
-        logs = [JobPaths(log_dir, job_id=submitted.job_id, task_id=task).stdout for task in range(resources["nodes"])]
-        where = f"slurm: {describe(resources)}" if resources["cluster"] == "slurm" else "local: this machine"
-        with supervise(submitted, run_name, resources["cluster"], partial, Path(job_spec.checkpoint_dir), lock,
-                        watch):
-            print(f"[alignpipe] {run_name}: job {submitted.job_id} submitted ({where}), log {logs[0]}"
-                  + (f" (other tasks: {logs[1].name.replace('_1_', '_<task>_')})" if len(logs) > 1 else ""),
-                  flush=True)
-            state = follow_log(submitted, logs[0], run_name, slurm=resources["cluster"] == "slurm",
-                               watch=watch.orphaned)
-            watch.over = lock.job_over = True
-            if resources["cluster"] == "slurm":
-                with contextlib.suppress(Exception):
-                    submitted.get_info(mode="force")  # let submitit see the final state now, not at its next poll
+        attempts = 2 if resources["requeue_stalled"] else 1
+        for attempt in range(1, attempts + 1):
             try:
-                refuse_world_writable(log_dir, 0, pickles)
-                if _outcome(submitted.task(0).paths.result_pickle) != "success":  # (task 0 ran the driver)
-                    submitted.task(0).result()  # raises the job's error (result() waits for the process to end)
-            except UnsafeDirectory as err:
-                raise StageFailed(f"stage {run_name}: job {submitted.job_id} ended; its result was not read: "
-                                  f"{err}") from None
-            except Exception as err:  # the job's own exception, or submitit's report of a job that never finished
-                shutil.rmtree(partial, ignore_errors=True)  # the job is over: nothing may look half done
-                raise StageFailed(failure_report(run_name, submitted, logs, resources, state, err)) from None
+                submitted, logs = run_job(job_spec, resources, log_dir, lock, watch)
+                break
+            except StageStalled as err:
+                if attempt == attempts:
+                    raise
+                print(f"[alignpipe] {run_name}: job {err.job_id} stalled; submitted once more "
+                      "(launcher.requeue_stalled): the stage resumes from its last checkpoint", flush=True)
         deadline = time.time() + FINAL_WAIT_S
         while not output_path.exists() and time.time() < deadline:
             time.sleep(1)
@@ -183,6 +167,58 @@ def launch_stage(job: dict, job_io: dict, output: str) -> None:
             raise StageFailed(f"stage {run_name}: job {submitted.job_id} finished but wrote no {output_path} "
                               f"(log {logs[0]})")
     print(f"[alignpipe] {run_name}: done -> {output_path}", flush=True)
+
+
+def run_job(job_spec: StageJob, resources: dict, log_dir: Path, lock: OutputLock, watch: Watch) -> tuple:
+    """Submit the stage's job, echo its log until it is over; (the submitit job, its tasks' logs) once it
+    succeeded, else StageFailed (StageStalled where its stall watch failed it) with the job's id, state and log."""
+    run_name, partial = job_spec.run_name, Path(job_spec.output + ".partial")
+    if watch.orphaned():
+        raise StageFailed(f"stage {run_name} was not submitted: the Snakemake that started this launcher is gone")
+    try:
+        submitted = make_executor(job_spec.stage, log_dir, resources).submit(job_spec)
+    except Exception as err:  # e.g. sbatch refusing what --test-only accepted a moment ago
+        raise StageFailed(f"stage {run_name} could not be submitted ({describe(resources)}): {err}") from None
+    lock.holds(submitted.job_id, resources["cluster"], log_dir)
+    watch.over = lock.job_over = False  # (a job before it, stalled, was over)
+    logs = [JobPaths(log_dir, job_id=submitted.job_id, task_id=task).stdout for task in range(resources["nodes"])]
+    where = f"slurm: {describe(resources)}" if resources["cluster"] == "slurm" else "local: this machine"
+    with supervise(submitted, run_name, resources["cluster"], partial, Path(job_spec.checkpoint_dir), lock, watch):
+        print(f"[alignpipe] {run_name}: job {submitted.job_id} submitted ({where}), log {logs[0]}"
+              + (f" (other tasks: {logs[1].name.replace('_1_', '_<task>_')})" if len(logs) > 1 else ""), flush=True)
+        state = follow_log(submitted, logs[0], run_name, slurm=resources["cluster"] == "slurm", watch=watch.orphaned)
+        watch.over = lock.job_over = True
+        if resources["cluster"] == "slurm":
+            with contextlib.suppress(Exception):
+                submitted.get_info(mode="force")  # let submitit see the final state now, not at its next poll
+        try:
+            refuse_world_writable(log_dir, 0, PICKLES)
+            if _outcome(submitted.task(0).paths.result_pickle) != "success":  # (task 0 ran the driver)
+                submitted.task(0).result()  # raises the job's error (result() waits for the process to end)
+        except UnsafeDirectory as err:
+            raise StageFailed(f"stage {run_name}: job {submitted.job_id} ended; its result was not read: "
+                              f"{err}") from None
+        except Exception as err:  # the job's own exception, or submitit's report of a job that never finished
+            shutil.rmtree(partial, ignore_errors=True)  # the job is over: nothing may look half done
+            report = failure_report(run_name, submitted, logs, resources, state, err)
+            if STALL_MARK in _read(logs[0]):
+                raise StageStalled(report, submitted.job_id) from None
+            raise StageFailed(report) from None
+    return submitted, logs
+
+
+class StageStalled(StageFailed):
+    """The job's stall watch failed it (runtime/progress.py)."""
+
+    def __init__(self, report: str, job_id: str):
+        super().__init__(report)
+        self.job_id = job_id
+
+
+def _read(path: Path) -> str:
+    with contextlib.suppress(OSError):
+        return path.read_text(errors="replace")
+    return ""
 
 
 def follow_log(job, log_path: Path, run_name: str = "", slurm: bool = False, poll_s: float = 1.0,

@@ -4,7 +4,8 @@ A stage that declares `USES_RAY = True` (or whose `uses_ray(resources)` says so 
 cluster across the job's nodes (runtime/ray_cluster.py) and its driver runs on task 0. The stage writes into
 `<output>.partial`, renamed into place only when it succeeds, so a failed or killed job leaves nothing Snakemake takes
 as done. Its resumable state lives in `checkpoint_dir` (kept across requeues and failures, removed once the stage
-succeeds).
+succeeds). A stall watch (runtime/progress.py) fails the stage, with every process's stacks in its log, when its
+steps stop coming for launcher.stall_min.
 
 This module is part of every stage's code hash (launcher/code_hash.py): what it does shapes every output.
 """
@@ -19,6 +20,7 @@ from pathlib import Path
 import submitit
 
 from runtime import checkpoints, tracking
+from runtime.progress import StallWatch, beat
 
 # Set for every job and Ray worker: no hub downloads, quiet tokenizers, vLLM in-process on CPU.
 JOB_ENV = {
@@ -57,15 +59,18 @@ class StageJob(submitit.helpers.Checkpointable):
 
     def __call__(self):
         os.environ.update(JOB_ENV)
-        module = importlib.import_module(f"stages.{self.stage}")
-        uses_ray = module.uses_ray(self.resources) if hasattr(module, "uses_ray") else module.USES_RAY
-        if not uses_ray:
-            return self.run_driver(module)
-        from runtime.ray_cluster import ray_cluster
         env = submitit.JobEnvironment()
-        with ray_cluster(env, self.resources) as node:
-            if node.is_driver:
-                return self.run_driver(module, ray_nodes=node.nodes)
+        # Task 0 runs the driver, which sees every step; the other tasks serve Ray until it leaves.
+        with StallWatch(self.resources["stall_min"] if env.global_rank == 0 else 0, self.run_name, env.job_id):
+            module = importlib.import_module(f"stages.{self.stage}")
+            uses_ray = module.uses_ray(self.resources) if hasattr(module, "uses_ray") else module.USES_RAY
+            if not uses_ray:
+                return self.run_driver(module)
+            from runtime.ray_cluster import ray_cluster
+            with ray_cluster(env, self.resources) as node:
+                if node.is_driver:
+                    beat("the job's Ray cluster is up")
+                    return self.run_driver(module, ray_nodes=node.nodes)
 
     def checkpoint(self, *args, **kwargs) -> submitit.helpers.DelayedSubmission:
         """Called by submitit on a timeout or preemption signal, before it requeues the job: the requeued job

@@ -31,7 +31,7 @@ from runtime import checkpoints, data, trainer
 from runtime.actor_group import ActorGroup
 from runtime.experience import Rollout, generate, informative_groups, make_experience, score
 from runtime.models import load_tokenizer
-from runtime.progress import Progress
+from runtime.progress import Progress, beat
 from runtime.rl_actors import Roles
 from runtime.rollout import sampling_seed
 
@@ -186,6 +186,7 @@ def run(cfg: Config, inputs: dict, output: Path, tracker) -> None:
     max_len = max(len(p["prompt_ids"]) for p in prompts + eval_prompts) + cfg.max_new_tokens + 8
     threads = max(1, int(ray.cluster_resources().get("CPU", 1)))
     roles = Roles(cfg, inputs, cfg.steps * rows_per_step // cfg.batch_size * cfg.ppo_epochs, threads, max_len, tracker)
+    beat(f"rl/{cfg.name}: its actors and engines started")
     ckpt_dir = tracker.checkpoint_dir if cfg.checkpoint_every else None
 
     step, log, kl_coef = 0, [], cfg.kl_coef
@@ -203,6 +204,7 @@ def run(cfg: Config, inputs: dict, output: Path, tracker) -> None:
     else:
         eval_before = held_out_reward(roles, cfg, eval_prompts)
         tracker.log_metrics({"eval_reward": eval_before}, step=0)
+        beat(f"rl/{cfg.name}: held-out reward before training")
 
     def draw(count: int) -> list[dict]:
         nonlocal order

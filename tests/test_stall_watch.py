@@ -1,0 +1,151 @@
+"""The stall watch (runtime/progress.py): a stage whose progress stops prints every process's Python stacks into its
+log and fails with its job id and the place it hung, within its limit; the launcher submits it once more where
+launcher.requeue_stalled allows it. First in small Python processes, then with a reward function that hangs inside a
+real RL stage (the tiny experiment's grpo run through the launcher, Ray, DeepSpeed and vLLM)."""
+import json
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from launcher.config import REPO_ROOT, load_config_files
+from runtime.progress import STALL_EXIT_CODE, STALL_MARK, STEP_FACTOR, stall_limit
+from test_orphans_and_locks import base_model_job, launcher_command
+
+LIMIT_MIN = 0.05  # 3 s
+# The RL stage's: longer than any step of its start-up (Ray up, actors and engines started, held-out reward) on a
+# busy 2-core machine, each a milestone the stage reports.
+STAGE_LIMIT_MIN = 1.0
+
+
+def run_watched(tmp_path: Path, body: str, grace_s: float = 30) -> subprocess.CompletedProcess:
+    """Run `body` (which defines `stuck()`) under a StallWatch of LIMIT_MIN in a Python process of its own."""
+    script = tmp_path / "stuck.py"
+    script.write_text(textwrap.dedent(f"""
+        import os, signal, subprocess, sys, time
+        from runtime.progress import StallWatch, beat
+        """) + textwrap.dedent(body) + textwrap.dedent(f"""
+        with StallWatch({LIMIT_MIN}, "rl/test", "1234", grace_s={grace_s}):
+            beat("warm-up")
+            beat("step 1/9")
+            stuck()
+        """))
+    return subprocess.run([sys.executable, str(script)], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
+                          env={"PYTHONPATH": str(REPO_ROOT), "PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin"})
+
+
+def test_the_limit_grows_with_the_slowest_step():
+    assert stall_limit(1800, 0) == 1800
+    assert stall_limit(1800, 600) == STEP_FACTOR * 600
+
+
+def test_a_stalled_driver_fails_with_its_stacks_the_place_and_the_job_id(tmp_path):
+    # The stage's Python child (as Ray's actors are) waits too: its stack is in the dump as well.
+    done = run_watched(tmp_path, """
+        def stuck():
+            child = subprocess.Popen([sys.executable, "-c", "import time\\ndef actor_waits(): time.sleep(600)\\nactor_waits()"])
+            try:
+                time.sleep(600)  # the driver's wait
+            finally:
+                child.kill()
+        """)
+    out = done.stdout + done.stderr
+    assert done.returncode == 1 and "RuntimeError: stage rl/test (job 1234) stalled" in done.stderr, out[-3000:]
+    message = re.search(re.escape(STALL_MARK) + r" (.*)", out).group(1)
+    script = tmp_path / "stuck.py"
+    assert message.startswith("stage rl/test (job 1234) stalled: no progress for ")
+    assert "last progress: step 1/9" in message
+    assert f"the driver waits at {script}:" in message and "in stuck (time.sleep(600)" in message, message
+    idle = float(re.search(r"no progress for ([\d.]+) min", message).group(1))
+    assert LIMIT_MIN <= idle <= LIMIT_MIN + 0.05, message  # within the limit and one poll (a quarter of the limit)
+    driver = out[out.index("--- Python stacks of the driver"):]
+    assert f'File "{script}", line' in driver and "stuck" in driver
+    child = out[out.index("--- Python stacks of process"):]
+    assert "actor_waits" in child, child[:2000]
+
+
+def test_a_driver_that_cannot_be_interrupted_exits_after_the_grace(tmp_path):
+    done = run_watched(tmp_path, """
+        def stuck():
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})  # as a thread stuck in native code
+            time.sleep(600)
+        """, grace_s=1)
+    out = done.stdout + done.stderr
+    assert done.returncode == STALL_EXIT_CODE, out[-3000:]
+    assert STALL_MARK in out and "did not end within 1 s of being told to" in out
+
+
+@pytest.mark.e2e
+def test_a_job_that_stalls_twice_fails_after_one_requeue(tmp_path):
+    """The base_model stage under a limit shorter than its start-up: it stalls, is submitted once more, stalls
+    again, and the launcher fails with the job's report."""
+    job, job_io, output = base_model_job(tmp_path, "stalls")
+    job_io["context"]["launcher"] |= {"stall_min": 0.01, "requeue_stalled": True}
+    log = tmp_path / "stalls.log"
+    done = subprocess.run(launcher_command(job, job_io, output, log), cwd=REPO_ROOT, capture_output=True,
+                          text=True, timeout=300)
+    out = done.stdout + done.stderr
+    assert done.returncode == 1, out[-3000:]
+    assert out.count("stalled; submitted once more (launcher.requeue_stalled)") == 1, out[-3000:]
+    assert len(re.findall(r"job \d+ submitted", out)) == 2
+    assert "stage base_model failed: job" in out and out.count(STALL_MARK) >= 2
+    assert not output.exists() and not output.with_name("base_model.partial").exists()
+    assert not output.with_name("base_model.lock").exists()
+
+
+HANGING_REWARD = """
+import time
+from pathlib import Path
+
+HUNG = Path(__file__).with_suffix(".hung")
+calls = 0
+
+
+def reward_fn(prompts, completions, labels):
+    global calls
+    calls += 1
+    if calls == 3 and not HUNG.exists():  # held-out prompts, step 1, then step 2 hangs (in the first job only)
+        HUNG.touch()
+        time.sleep(3600)
+    return [float(c.count("a")) for c in completions]
+"""
+
+
+@pytest.mark.e2e
+def test_a_reward_function_that_hangs_in_an_rl_stage_is_caught_and_requeued(tiny_run, tmp_path):
+    record = json.loads((tiny_run["results"] / "rl" / "grpo" / "seed0" / "stage.json").read_text())
+    reward = tmp_path / "hangs.py"
+    reward.write_text(HANGING_REWARD)
+    params = record["params"] | {"rl": record["params"]["rl"] | {"steps": 2, "checkpoint_every": 1,
+                                                                 "reward": str(reward)}}
+    absolute = lambda p: str(p if Path(p).is_absolute() else REPO_ROOT / p)
+    inputs = {k: absolute(v) for k, v in record["inputs"].items() if k != "reward_model"} | {"reward_file": str(reward)}
+    config = load_config_files([tiny_run["configfile"]])
+    job = {"stage": "rl", "run_name": "rl/grpo/seed0", "code": "test", "config": params}
+    job_io = {"inputs": inputs, "resources": {},
+              "context": {"experiment": "tiny-stall", "results_dir": str(tmp_path / "results"),
+                          "launcher": config["launcher"] | {"stall_min": STAGE_LIMIT_MIN, "requeue_stalled": True},
+                          "tracking": {"uri": tiny_run["mlflow_uri"]}}}
+    output = tmp_path / "results" / "tiny-stall" / "rl" / "grpo" / "seed0"
+    done = subprocess.run(launcher_command(job, job_io, output, tmp_path / "rl.log"), cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=900)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-6000:]
+    first_log = Path(re.search(r"job \d+ submitted \(local: this machine\), log (\S+)", out).group(1))
+    message = re.search(re.escape(STALL_MARK) + r" (.*)", first_log.read_text()).group(1)
+    assert re.match(r"stage rl/grpo/seed0 \(job \d+\) stalled: no progress for", message), message
+    assert "last progress: rl/grpo step 1/2" in message
+    assert f"the driver waits at {reward}:" in message and "in reward_fn (time.sleep(3600))" in message, message
+    idle = float(re.search(r"no progress for ([\d.]+) min", message).group(1))
+    # the limit (no step timed yet: the first holds the start-up) and one poll (10 s)
+    assert STAGE_LIMIT_MIN <= idle <= STAGE_LIMIT_MIN + 0.25, message
+    stacks = first_log.read_text()
+    assert f'File "{reward}", line' in stacks  # the driver's
+    assert re.search(r"--- Python stacks of process \d+: ray::PolicyWorker", stacks)  # an actor's, with py-spy
+    assert STALL_MARK in out and out.count("stalled; submitted once more") == 1  # the terminal says it too
+    resumed = out[out.index("stalled; submitted once more"):]
+    assert "[rl] resumed from checkpoint at step 1" in resumed, resumed[-3000:]
+    assert json.loads((output / "metrics.json").read_text())["steps"] == 2
