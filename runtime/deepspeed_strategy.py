@@ -54,6 +54,20 @@ def warmup_cosine(optimizer, warmup_steps: int, total_steps: int):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
+def init_process_group(backend: str, rank: int, rendezvous: dict) -> None:
+    """torch.distributed's default group, which DeepSpeed then adopts, on a store that rank 0 serves at the
+    rendezvous address. Rank 0 hands the store a socket bound to that address: a TCPStore that binds its own (as
+    DeepSpeed's env:// rendezvous makes it) listens on every interface (`::`), whatever host it is given."""
+    from deepspeed.constants import default_pg_timeout
+    host, port, world_size = rendezvous["master_addr"], rendezvous["master_port"], rendezvous["world_size"]
+    listen_fd = socket.create_server((host, port)).detach() if rank == 0 else None  # the store closes it
+    store = torch.distributed.TCPStore(host, port, world_size, is_master=rank == 0, timeout=default_pg_timeout,
+                                       master_listen_fd=listen_fd)
+    device_id = torch.device("cuda", 0) if backend == "nccl" and world_size > 1 else None  # as DeepSpeed binds it
+    torch.distributed.init_process_group(backend, store=store, rank=rank, world_size=world_size,
+                                         timeout=default_pg_timeout, device_id=device_id)
+
+
 @dataclasses.dataclass(frozen=True)
 class Rank:
     """What a worker's `setup` gets besides the stage's Config: its place in the group and what it trains."""
@@ -69,11 +83,13 @@ class DeepSpeedWorker:
     TRAINS_HEAD = False  # does the model have a freshly initialised head that trains fully under LoRA?
 
     def rendezvous_address(self) -> tuple[str, int]:
+        """This node's address and a port free on it, where rank 0 serves the group's store (`init_process_group`)."""
         import ray
+        address = ray.util.get_node_ip_address()
         with socket.socket() as sock:
-            sock.bind(("", 0))
+            sock.bind((address, 0))
             port = sock.getsockname()[1]
-        return ray.util.get_node_ip_address(), port
+        return address, port
 
     def setup(self, cfg, rank: Rank) -> None:
         """Join the group's process group and build the engine (`build_engine`) from the stage's Config."""
@@ -83,13 +99,14 @@ class DeepSpeedWorker:
         import deepspeed
         torch.set_num_threads(num_threads)
         # LOCAL_RANK 0: Ray's CUDA_VISIBLE_DEVICES holds only the GPU(s) it gave this rank.
-        os.environ.update(MASTER_ADDR=rendezvous["master_addr"], MASTER_PORT=str(rendezvous["master_port"]),
-                          RANK=str(rank), WORLD_SIZE=str(rendezvous["world_size"]), LOCAL_RANK="0")
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(rendezvous["world_size"]), LOCAL_RANK="0")
         if torch.cuda.is_available():
             torch.cuda.set_device(0)
         # Skip DeepSpeed's shared-memory comm op: on CPU it JIT-compiles for minutes and gloo is enough.
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
         backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if not torch.distributed.is_initialized():  # (a worker set up twice keeps its group)
+            init_process_group(backend, rank, rendezvous)
         deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
         self.rank, self.world_size = rank, rendezvous["world_size"]
 

@@ -14,10 +14,15 @@ Locked down (issue #17):
   without it is refused (InvalidAuthToken). How the tasks of a multi-node job share it: see `job_token`.
 - Addresses: a node advertises and binds what it can to its own address; a one-node local job keeps Ray on
   127.0.0.1 (`RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`: without it Ray swaps 127.0.0.1 for the host's network address).
-  Ray 2.60's own gRPC servers (GCS, raylet, core workers) listen on all interfaces whatever the node address is
-  (not configurable): the token is what guards them. The dashboard is off; no fixed metrics-agent or
-  metrics-export port is given, so Ray's minimal install reports "metrics agent not available" (an I line)
-  instead of retrying a port nobody serves and logging E lines.
+  On a multi-node job Ray 2.60's own gRPC servers (GCS, raylet, core workers) listen on all interfaces whatever the
+  node address is (not configurable): the token is what guards them. The head's autoscaler metrics page (plain
+  HTTP, read-only, no token) listens on all interfaces too. What a stage's processes open themselves listens on the
+  node's address (issue #25): gloo's sockets (DeepSpeed's ranks, vLLM's groups) on the node's interface
+  (`GLOO_SOCKET_IFNAME`, which every Ray process of the node inherits from `ray start`; without it gloo binds
+  whatever the host name resolves to), the DeepSpeed ranks' store on the node's address
+  (runtime/deepspeed_strategy.init_process_group). The dashboard is off; no fixed metrics-agent or metrics-export
+  port is given, so Ray's minimal install reports "metrics agent not available" (an I line) instead of retrying a
+  port nobody serves and logging E lines.
 - Every Ray process of a task ends with the task's process, also when that is SIGKILLed: see `WATCHDOG`.
 """
 import contextlib
@@ -200,11 +205,25 @@ def job_token(job_env, rank: int, num_nodes: int, restart: int) -> tuple[str, Pa
     return path.read_text().strip(), None
 
 
-def ray_env(token: str, loopback: bool, port: int) -> dict:
+def interface_of(ip: str) -> str:
+    """The name of this host's network interface whose network holds `ip` (lo for 127.0.1.1 too)."""
+    import psutil
+    address = ipaddress.ip_address(ip)
+    for name, addresses in psutil.net_if_addrs().items():
+        for a in addresses:
+            if a.family in (socket.AF_INET, socket.AF_INET6) and a.netmask:
+                prefix = bin(int(ipaddress.ip_address(a.netmask))).count("1")
+                if address in ipaddress.ip_network(f"{a.address.split('%')[0]}/{prefix}", strict=False):
+                    return name
+    raise RuntimeError(f"no network interface of {socket.gethostname()} holds its node address {ip}")
+
+
+def ray_env(token: str, loopback: bool, port: int, interface: str) -> dict:
     """What `ray start` and the driver need in their environment: token auth with this job's token, the job's own
-    port for the autoscaler's metrics and, for a one-node local job, Ray kept on 127.0.0.1."""
+    port for the autoscaler's metrics, gloo on the node's `interface` and, for a one-node local job, Ray kept on
+    127.0.0.1."""
     env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token,
-           "AUTOSCALER_METRIC_PORT": str(port + AUTOSCALER_METRICS_PORT)}
+           "AUTOSCALER_METRIC_PORT": str(port + AUTOSCALER_METRICS_PORT), "GLOO_SOCKET_IFNAME": interface}
     if loopback:
         env[LOOPBACK_ENV] = "0"
     return env
@@ -258,7 +277,7 @@ def ray_cluster(job_env, res: dict):
     token_dir = None
     try:
         token, token_dir = job_token(job_env, rank, num_nodes, restart)
-        env = ray_env(token, loopback=_is_loopback(my_ip) and num_nodes == 1, port=port)
+        env = ray_env(token, loopback=_is_loopback(my_ip) and num_nodes == 1, port=port, interface=interface_of(my_ip))
         with _driver_env(env) if rank == 0 else contextlib.nullcontext():
             yield from _run_node(info, head_ip, head_address, port, res, private_dir, env, token_dir)
     finally:

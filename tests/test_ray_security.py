@@ -1,13 +1,16 @@
 """A job's Ray, locked (issue #17): token authentication with a fresh secret per job that appears on no command line
 and in no log, Ray on 127.0.0.1 for a one-node local job, no E-level lines from Ray, and no Ray process left once
-the job's process is gone, also after SIGKILL.
+the job's process is gone, also after SIGKILL. What a stage's processes listen on themselves (issue #25): the
+DeepSpeed ranks' rendezvous store and gloo's sockets on the node's address too.
 
 The job's process is a subprocess that starts its node with runtime.ray_cluster.ray_cluster as runtime/job.py
 does for the local executor (the JOB_ENV environment, Ray imported first as a stage module would, a stand-in for
-submitit's JobEnvironment with the fields ray_cluster reads), runs one Ray task and waits for a line on stdin. As
-task 0 of a two-node job it shares its token by file and waits for a second node that never comes.
+submitit's JobEnvironment with the fields ray_cluster reads), runs one Ray task, optionally starts a group of
+DeepSpeed ranks as a stage does (ActorGroup, then each rank's init_distributed: a gloo process group) and waits for a
+line on stdin. As task 0 of a two-node job it shares its token by file and waits for a second node that never comes.
 """
 import contextlib
+import ipaddress
 import json
 import os
 import re
@@ -34,12 +37,21 @@ JOB = textwrap.dedent("""
     from runtime.ray_cluster import ray_cluster
 
     nodes = int(sys.argv[4])  # with 2, task 0 of a two-node job: it shares the token by file, then waits for task 1
+    ranks = int(sys.argv[5])  # DeepSpeed ranks to start, as a stage starts its trainers
     job_env = types.SimpleNamespace(job_id=sys.argv[2], global_rank=0, num_nodes=nodes,
                                     hostnames=["localhost"] * nodes, paths=types.SimpleNamespace(folder=sys.argv[3]))
-    res = {"cluster": "local", "cpus_per_node": 1, "gpus_per_node": 0, "mem_gb": 1, "ray_port": 0}
+    # (the ranks take one of the 2 CPUs: a client's task gets the other)
+    res = {"cluster": "local", "cpus_per_node": 2, "gpus_per_node": 0, "mem_gb": 1, "ray_port": 0}
     with ray_cluster(job_env, res) as node:
         worker = ray.get(ray.remote(lambda: os.getpid()).remote())
-        print("[test] " + json.dumps({"head": node.head_address, "worker": worker, "nodes": node.nodes}), flush=True)
+        up = {"head": node.head_address, "worker": worker, "nodes": node.nodes}
+        if ranks:
+            from runtime.actor_group import ActorGroup
+            from runtime.deepspeed_strategy import DeepSpeedWorker
+            group = ActorGroup(DeepSpeedWorker, ranks, cpus_per_actor=1 / ranks)
+            ray.get([actor.init_distributed.remote(r, group.rendezvous, 1) for r, actor in enumerate(group.actors)])
+            up |= {"ranks": [p["pid"] for p in group.placements], "rendezvous": group.rendezvous}
+        print("[test] " + json.dumps(up), flush=True)
         sys.stdin.readline()  # the test says when to stop, or SIGKILLs this process
     print("[test] stopped; RAY_AUTH_MODE=" + os.environ.get("RAY_AUTH_MODE", "") +
           " token in env: " + str("RAY_AUTH_TOKEN" in os.environ), flush=True)
@@ -61,7 +73,7 @@ E_LINE = re.compile(r"\[\d{4}-\d\d-\d\d [\d:,]+ E \d+|\d{4}-\d\d-\d\d [\d:,]+\s+
 class Job:
     """One job's process with its Ray node, as the local executor runs it."""
 
-    def __init__(self, root: Path, nodes: int = 1):
+    def __init__(self, root: Path, nodes: int = 1, ranks: int = 0):
         self.job_id = f"sec{uuid.uuid4().hex[:8]}"
         self.folder = root / self.job_id
         self.folder.mkdir()
@@ -69,9 +81,11 @@ class Job:
         script = self.folder / "job.py"
         script.write_text(JOB)
         with self.log.open("w") as out:
+            # (PYTHONPATH: Ray's workers import this checkout, not the one the environment has installed)
             self.proc = subprocess.Popen([sys.executable, str(script), str(REPO_ROOT), self.job_id, str(self.folder),
-                                          str(nodes)], stdin=subprocess.PIPE, stdout=out, stderr=subprocess.STDOUT,
-                                         text=True, cwd=self.folder)
+                                          str(nodes), str(ranks)], stdin=subprocess.PIPE, stdout=out,
+                                         stderr=subprocess.STDOUT, text=True, cwd=self.folder,
+                                         env=os.environ | {"PYTHONPATH": str(REPO_ROOT)})
         ready = (lambda: re.search(r"^\[test\] (\{.*\})$", self.text(), re.M)) if nodes == 1 else \
             (lambda: "Ray runtime started" in self.ray_start_log() and "head up")
         up = wait_until(lambda: ready() or self.proc.poll() is not None, 120, "the job's Ray node")
@@ -120,6 +134,32 @@ def processes() -> dict[int, str]:
     return found
 
 
+def listening(pids) -> list[tuple[ipaddress.IPv4Address | ipaddress.IPv6Address, int, int]]:
+    """(address, port, pid) of every TCP socket that the processes `pids` listen on (/proc/net/tcp and tcp6)."""
+    inodes = {}
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for fd in Path(f"/proc/{pid}/fd").iterdir():
+                with contextlib.suppress(OSError):
+                    target = os.readlink(fd)
+                    if target.startswith("socket:["):
+                        inodes[target[8:-1]] = pid
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for row in Path(table).read_text().splitlines()[1:]:
+            fields = row.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # LISTEN
+                address, port = fields[1].split(":")
+                raw = bytes.fromhex(address)  # 32-bit words in the host's (little-endian) byte order
+                raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+                found.append((ipaddress.ip_address(raw), int(port, 16), inodes[fields[9]]))
+    return found
+
+
+def is_loopback(address) -> bool:
+    return address.is_loopback or bool(getattr(address, "ipv4_mapped", None) and address.ipv4_mapped.is_loopback)
+
+
 def session_of(pid: int) -> int | None:
     try:
         state, _, _, sid = Path(f"/proc/{pid}/stat").read_bytes().rsplit(b")", 1)[1].split()[:4]
@@ -137,7 +177,7 @@ def client(address: str, **env) -> subprocess.Popen:
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
-    job = Job(tmp_path_factory.mktemp("ray-security"))
+    job = Job(tmp_path_factory.mktemp("ray-security"), ranks=2)
     yield job
     job.kill()
 
@@ -170,31 +210,37 @@ def test_token_on_no_command_line_and_in_no_log(job):
 
 @pytest.mark.e2e
 def test_ray_stays_on_loopback_in_a_private_dir(job):
-    """Every socket a Ray process of a one-node local job listens on is bound to 127.0.0.1, on a port of the job's
-    own range (no fixed port such as the autoscaler's default 44217 that jobs on one host would share); Ray's own
-    temp dir (world-writable, with the raylet's sockets) sits in a directory that only this user can enter."""
-    inodes = {}
-    for pid in set(job.ray_processes()) | {job.proc.pid}:
-        with contextlib.suppress(OSError):
-            for fd in Path(f"/proc/{pid}/fd").iterdir():
-                with contextlib.suppress(OSError):
-                    target = os.readlink(fd)
-                    if target.startswith("socket:["):
-                        inodes[target[8:-1]] = pid
-    listening = []
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        for row in Path(table).read_text().splitlines()[1:]:
-            fields = row.split()
-            if fields[3] == "0A" and fields[9] in inodes:  # LISTEN
-                listening.append((fields[1], inodes[fields[9]]))
-    assert listening, "no listening socket found for the job's Ray processes"
-    loopback = ("0100007F:", "0000000000000000FFFF00000100007F:")  # 127.0.0.1, ::ffff:127.0.0.1
-    assert all(addr.startswith(loopback) for addr, _ in listening), \
-        [(addr, pid, processes().get(pid, "")[:80]) for addr, pid in listening if not addr.startswith(loopback)]
+    """Every socket a Ray process of a one-node local job listens on is bound to 127.0.0.1, Ray's own on a port of
+    the job's own range (no fixed port such as the autoscaler's default 44217 that jobs on one host would share);
+    Ray's own temp dir (world-writable, with the raylet's sockets) sits in a directory that only this user can
+    enter."""
+    found = listening(set(job.ray_processes()) | {job.proc.pid})
+    assert found, "no listening socket found for the job's Ray processes"
+    assert all(is_loopback(address) for address, _, _ in found), \
+        [(str(address), port, pid, processes().get(pid, "")[:80]) for address, port, pid in found
+         if not is_loopback(address)]
     base = int(job.up["head"].rsplit(":", 1)[1])
-    ports = sorted(int(addr.rsplit(":", 1)[1], 16) for addr, _ in listening)
+    # (the DeepSpeed ranks' store and gloo take free ports: test_stage_listens_on_the_node_address_only)
+    ports = sorted(port for _, port, pid in found if pid not in job.up["ranks"])
     assert all(base <= port < base + 100 for port in ports), (base, ports)
     assert job.private_dir.stat().st_mode & 0o777 == 0o700
+
+
+@pytest.mark.e2e
+def test_stage_listens_on_the_node_address_only(job):
+    """The sockets a stage's own processes listen on, beside Ray's: rank 0 of a DeepSpeed group serves the group's
+    rendezvous store, and gloo gives every rank sockets of its own. Both on the node's address (a one-node local
+    job: 127.0.0.1), never on every interface: torch's TCPStore binds `::` unless handed a bound socket, and gloo
+    binds the address the host name resolves to unless GLOO_SOCKET_IFNAME names an interface, which every Ray
+    process of the node inherits from `ray start`."""
+    ranks, rendezvous = job.up["ranks"], job.up["rendezvous"]
+    assert rendezvous["master_addr"] == "127.0.0.1"
+    found = listening(ranks)
+    assert (ipaddress.ip_address("127.0.0.1"), rendezvous["master_port"], ranks[0]) in found, found
+    for pid in ranks:  # the core worker's gRPC server and gloo's at least
+        assert len([port for _, port, owner in found if owner == pid]) >= 2, (pid, found)
+        assert b"GLOO_SOCKET_IFNAME=lo" in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    assert all(is_loopback(address) for address, _, _ in found), [(str(a), port, pid) for a, port, pid in found]
 
 
 @pytest.mark.e2e
