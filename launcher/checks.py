@@ -1,20 +1,22 @@
 """The checks that run before anything is queued, at Snakefile parse time (workflow/rules/common.smk): every job's
-resource request as the launcher will check it (launcher/resources.py), the users' dataset rows
-(runtime/user_data.check_datasets), and batches that the data cannot fill.
+resource request as the launcher will check it (launcher/resources.py), Slurm's commands and partitions where stages
+run on Slurm, the users' dataset rows (runtime/user_data.check_datasets), batches that the data cannot fill and
+datasets none of whose prompts fits data.max_prompt_tokens.
 
 Imported by the Snakefile, so it must stay light (no torch, no ray).
 """
 import ast
+import itertools
 import shutil
 import tempfile
 from pathlib import Path
 
-from launcher.config import (REPO_ROOT, RESULTS_FILES, RESULTS_MARKER, ConfigError, check_dag_data, results_root,
-                             stage_jobs, trained_stages)
+from launcher.config import (DATASET_ROLES, REPO_ROOT, RESULTS_FILES, RESULTS_MARKER, ConfigError, check_dag_data,
+                             dag_stages, results_root, stage_jobs, trained_stages)
 from launcher.memory import check_memory
-from launcher.resources import FOREIGN_RESOURCES, RESOURCE_KEYS, check_stages
+from launcher.resources import FOREIGN_RESOURCES, RESOURCE_KEYS, check_slurm_stages, check_stages
 from runtime.builtin_data import review_pool_sizes
-from runtime.user_data import check_datasets, count_rows, is_builtin, is_hub, repo_path
+from runtime.user_data import check_datasets, count_rows, is_builtin, is_hub, local_rows, repo_path
 
 # What a job reads of itself; a resource expression that names one is known only once its job exists.
 JOB_NAMES = {"input", "wildcards", "attempt", "threads", "rulename", "async_run", "output", "params", "resources"}
@@ -31,6 +33,11 @@ def check_before_queueing(config: dict, source: str, resource_settings) -> str |
     if problems:
         raise ConfigError(f"{source}: jobs the launcher would refuse (nothing was queued)\n"
                           + "\n".join("  " + p for p in problems))
+    problems = check_slurm_stages(stage_jobs(config), config["launcher"],
+                                  lambda rule: profile_resources(resource_settings, rule))
+    if problems:
+        raise ConfigError(f"{source}: jobs Slurm cannot take (nothing was queued)\n"
+                          + "\n".join("  " + p for p in problems))
     memory_plan = check_memory(config, source, lambda rule: profile_resources(resource_settings, rule))
     checked = results_root(config) / config["experiment"] / ".checked_datasets.json"
     with tempfile.TemporaryDirectory() as tmp:
@@ -39,6 +46,7 @@ def check_before_queueing(config: dict, source: str, resource_settings) -> str |
             shutil.copyfile(checked, staged)
         check_datasets(config["data"], staged)
         check_batches(config, source)
+        check_prompt_lengths(config, source)
         if staged.is_file() and (not checked.is_file() or staged.read_bytes() != checked.read_bytes()):
             checked.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(staged, checked)
@@ -176,3 +184,76 @@ def check_batches(config: dict, source: str) -> None:
                             f"{max(rows, 0)} ({how}); lower {key.split(' ')[0]} or give data.{role} more rows")
     if problems:
         raise ConfigError("batches the data cannot fill\n" + "\n".join("  " + p for p in problems))
+
+
+# ---- prompts too long for data.max_prompt_tokens ------------------------------------------------------------------
+# The preprocess stage drops each row whose prompt is longer and fails with fewer than 2 left, after base_model ran.
+# Where model.path is a local model with a tokenizer.json, its tokenizer counts the prompts here first: each input as
+# written (input_template applied; the chat template, which only adds tokens, left out), so a count is at most the
+# stage's and a refusal here is one there. The rows read are bounded (PROMPT_CHECK_ROWS, and the check stops at the
+# second prompt that fits), which keeps it within seconds on a large file.
+PROMPT_CHECK_ROWS = 2000
+
+
+def _prompt_input(role: str, spec: dict, row: dict):
+    """The input a row's prompt is made of (text or chat messages), as preprocess takes it; None: a pair without
+    one (preprocess keeps it whatever max_prompt_tokens)."""
+    if role == "sft":
+        return row[spec["messages_key"]][:-1] if spec["messages_key"] else row[spec["input_key"]]
+    if role == "preference":
+        if row.get(spec["prompt_key"]) is not None:
+            return row[spec["prompt_key"]]
+        chosen = row[spec["chosen_key"]]
+        return chosen[:-1] if isinstance(chosen, list) and len(chosen) > 1 else None
+    return row[spec["input_key"]]
+
+
+def check_prompt_lengths(config: dict, source: str) -> None:
+    """Refuse a local dataset of the DAG among whose first rows (the first data.<role>.max_samples, which preprocess
+    reads, up to PROMPT_CHECK_ROWS) fewer than 2 prompts fit data.max_prompt_tokens, counted with model.path's
+    tokenizer.json (see above); nothing is checked without one (a tiny or hub model). Rows are those
+    check_datasets passed."""
+    model_path = config["model"]["path"]
+    tokenizer_file = model_path and not is_hub(model_path) and repo_path(model_path) / "tokenizer.json"
+    if not tokenizer_file or not tokenizer_file.is_file():
+        return
+    from tokenizers import Tokenizer
+    try:
+        tokenizer = Tokenizer.from_file(str(tokenizer_file))
+    except Exception:  # a format this tokenizers cannot read: transformers loads it in preprocess, which counts
+        return
+    data, limit = config["data"], config["data"]["max_prompt_tokens"]
+    template = data["input_template"] if not data["apply_chat_template"] else None
+    roles = [role for dataset in dag_stages(config)["datasets"] for role in DATASET_ROLES[dataset]]
+    problems = []
+    for role in roles:
+        spec = data[role]
+        if not spec["path"] or is_builtin(spec["path"]) or is_hub(spec["path"]):
+            continue
+        rows = itertools.islice(local_rows(spec), min(spec["max_samples"], PROMPT_CHECK_ROWS))
+        fitting, longer, read = 0, [], 0
+        while fitting < 2 and (batch := list(itertools.islice(rows, 256))):
+            read += len(batch)
+            texts = []
+            for row in batch:
+                value = _prompt_input(role, spec, row)
+                if value is None:
+                    fitting += 1
+                elif isinstance(value, str):
+                    texts.append(template.format(value) if template else value)
+                else:  # a chat: its messages' texts (the template adds the rest)
+                    texts.append("\n".join(message["content"] for message in value))
+            for encoding in tokenizer.encode_batch(texts, add_special_tokens=False):
+                if len(encoding.ids) <= limit:
+                    fitting += 1
+                else:
+                    longer.append(len(encoding.ids))
+        every_row_counted = read < PROMPT_CHECK_ROWS or spec["max_samples"] <= PROMPT_CHECK_ROWS
+        if fitting < 2 and every_row_counted:
+            shortest = f"; the shortest of the others is {min(longer)} tokens" if longer else ""
+            problems.append(f"{source}: data.{role}.path = {spec['path']!r}: {fitting} of the {read} rows preprocess "
+                            f"reads (data.{role}.max_samples = {spec['max_samples']}) have a prompt within "
+                            f"data.max_prompt_tokens = {limit}, and it needs 2{shortest} (model.path's tokenizer, "
+                            "before the chat template); raise data.max_prompt_tokens or give shorter prompts")
+    if problems:
+        raise ConfigError("datasets whose prompts are too long\n" + "\n".join("  " + p for p in problems))

@@ -16,7 +16,7 @@ import yaml
 
 from runtime.models import LINEAR_LAYERS
 from runtime.tracking import TrackingURIError, check_tracking_uri, config_hash
-from runtime.user_data import is_hub, repo_path
+from runtime.user_data import first_prompts, is_builtin, is_hub, repo_path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SCHEMA_PATH = REPO_ROOT / "workflow" / "schemas" / "config.schema.yaml"
@@ -196,6 +196,7 @@ def check_consistency(config: dict, source: str) -> None:
                               f"{where}.micro_batch_size * {where}.num_workers = {per_step}")
         if trainer["lora_rank"]:
             check_lora_targets(trainer["lora_targets"], architecture, f"{source}: {where}.lora_targets")
+    prompts = reward_check_prompts(config)
     for name in config["rl"]["variants"]:
         rl = trainers[f"rl.variants.{name}"]
         if rl["dynamic_sampling"] and rl["n_samples"] < 2:
@@ -219,10 +220,10 @@ def check_consistency(config: dict, source: str) -> None:
                               f"{rl['batch_size']}")
         if rl["reward"] != "model":
             inherited = "" if "reward" in config["rl"]["variants"][name] else " (inherited from rl.reward)"
-            check_reward_file(rl["reward"], f"{source}: rl.variants.{name}.reward{inherited}")
+            check_reward_file(rl["reward"], f"{source}: rl.variants.{name}.reward{inherited}", prompts)
     for i, reward in enumerate(config["evaluate"]["rewards"]):
         if reward != "model":
-            check_reward_file(reward, f"{source}: evaluate.rewards.{i}")
+            check_reward_file(reward, f"{source}: evaluate.rewards.{i}", prompts)
     models = dag_models(config)
     for i, model in enumerate(config["evaluate"]["models"]):
         if model not in models:
@@ -341,29 +342,59 @@ def check_lora_targets(targets, architecture: str | None, where: str) -> None:
                           "or all-linear")
 
 
-# How long a reward file may take to import in its check (it runs at every dry run; a hang becomes a refusal).
+# How long a reward file's check may take: its import and the call of reward_fn (it runs at every dry run; a hang
+# becomes a refusal).
 REWARD_CHECK_S = 60
-_reward_files_checked: dict = {}  # (path, mtime) -> the problem found, or None: each file once per process
+# The prompts reward_fn is called on in its check: the first rows of the experiment's RL prompts.
+REWARD_CHECK_ROWS = 4
+_reward_files_checked: dict = {}  # (path, mtime, prompts) -> the problem found, or None: each once per process
+_prompts_read: dict = {}  # (where the prompts come from, the dataset's mtime) -> reward_check_prompts's answer
 
 
-def check_reward_file(path: str, where: str) -> None:
+def reward_check_prompts(config: dict) -> dict | None:
+    """The prompts a reward file's check calls reward_fn on, {"prompts", "labels", "where"}: the first
+    REWARD_CHECK_ROWS good rows of data.prompts, RL's prompts (data.eval in a DAG without them), built in or a local
+    file or directory (runtime/user_data.first_prompts), read once per process; None for a hub dataset (nothing is
+    downloaded here), none, or one that cannot be read (check_datasets names what is wrong with it)."""
+    data = config["data"]
+    role = "prompts" if data["prompts"]["path"] else "eval"
+    path = data[role]["path"]
+    if path is None or is_hub(path) or not (is_builtin(path) or repo_path(path).is_file() or repo_path(path).is_dir()):
+        return None  # (a missing file, or a pipe that reading would wait on)
+    source = (role, data[role], config["seed"], data["builtin"])
+    key = (json.dumps(source, sort_keys=True), None if is_builtin(path) else repo_path(path).stat().st_mtime_ns)
+    if key not in _prompts_read:
+        try:
+            prompts, labels = first_prompts(role, data[role], REWARD_CHECK_ROWS, config["seed"], data["builtin"])
+        except Exception:  # a file that cannot be read: check_datasets names it
+            prompts, labels = [], []
+        read = {"prompts": prompts, "labels": labels, "where": f"data.{role} ({path})"}
+        _prompts_read[key] = read if prompts else None
+    return _prompts_read[key]
+
+
+def check_reward_file(path: str, where: str, prompts: dict | None = None) -> None:
     """A reward file the config names: a Python file whose reward_fn takes (prompts, completions, labels)
-    (runtime/rewards.load_reward_fn), imported in a child process, once per file: whatever its import does (exit,
-    signal, KeyboardInterrupt, a hang past REWARD_CHECK_S) becomes a refusal that names it, never the end of the dry
-    run."""
+    (runtime/rewards.load_reward_fn) and returns one finite number per completion when called on the `prompts`
+    (reward_check_prompts) with made-up completions (runtime/rewards.check_reward_call); imported and called in a
+    child process, once per file and prompts: whatever it does (exit, signal, KeyboardInterrupt, a hang past
+    REWARD_CHECK_S) becomes a refusal that names it, never the end of the dry run."""
     file = repo_path(path)
-    key = (str(file), file.stat().st_mtime_ns if file.is_file() else None)
+    key = (str(file), file.stat().st_mtime_ns if file.is_file() else None, json.dumps(prompts, default=str))
     if key not in _reward_files_checked:
-        _reward_files_checked[key] = reward_file_problem(file)
+        _reward_files_checked[key] = reward_file_problem(file, prompts)
     if _reward_files_checked[key]:
         raise ConfigError(f"{where}: {_reward_files_checked[key]}")
 
 
 REWARD_CHECKED, REWARD_REFUSED = "alignpipe: reward file checked", "alignpipe: reward file refused: "
-REWARD_CHILD = f"""import sys
-from runtime.rewards import RewardFileError, load_reward_fn
+REWARD_CHILD = f"""import json, sys
+from runtime.rewards import RewardFileError, check_reward_call, load_reward_fn
+call = json.load(sys.stdin)  # the prompts, their labels and where they come from; null: none
 try:
-    load_reward_fn(sys.argv[1])
+    reward_fn = load_reward_fn(sys.argv[1])
+    if call:
+        check_reward_call(reward_fn, sys.argv[1], call["prompts"], call["labels"], call["where"])
 except RewardFileError as err:
     print({REWARD_REFUSED!r} + str(err), flush=True)
     sys.exit(0)
@@ -371,14 +402,17 @@ print({REWARD_CHECKED!r}, flush=True)
 """
 
 
-def reward_file_problem(file: Path) -> str | None:
-    """What load_reward_fn, run in a child process of this Python, says of `file`; or what stopped it."""
+def reward_file_problem(file: Path, prompts: dict | None = None) -> str | None:
+    """What load_reward_fn and a call of reward_fn on the `prompts`, run in a child process of this Python, say of
+    `file`; or what stopped them."""
     try:
         proc = subprocess.run([sys.executable, "-c", REWARD_CHILD, str(file)], cwd=REPO_ROOT, capture_output=True,
-                              text=True, errors="replace", timeout=REWARD_CHECK_S, stdin=subprocess.DEVNULL,
+                              text=True, errors="replace", timeout=REWARD_CHECK_S,
+                              input=json.dumps(prompts, default=str),
                               env=os.environ | {"PYTHONPATH": str(REPO_ROOT)})
     except subprocess.TimeoutExpired:
-        return f"{file}: its import did not finish within {REWARD_CHECK_S} s (does it wait for something?)"
+        return (f"{file}: its import{' and a call of reward_fn' if prompts else ''} did not finish within "
+                f"{REWARD_CHECK_S} s (does it wait for something?)")
     lines = proc.stdout.splitlines()
     if lines and lines[-1].startswith(REWARD_REFUSED):
         return lines[-1].removeprefix(REWARD_REFUSED)
@@ -386,8 +420,8 @@ def reward_file_problem(file: Path) -> str | None:
         return None
     how = f"was killed by signal {-proc.returncode}" if proc.returncode < 0 else f"exited with status {proc.returncode}"
     said = (proc.stdout + proc.stderr).strip()[-400:]
-    return (f"{file}: importing it, the process {how} before reward_fn was checked (sys.exit, os._exit, a signal or "
-            f"KeyboardInterrupt at import?)" + (f"; its last output: {said}" if said else ""))
+    return (f"{file}: importing or calling it, the process {how} before reward_fn was checked (sys.exit, os._exit, "
+            f"a signal or KeyboardInterrupt?)" + (f"; its last output: {said}" if said else ""))
 
 
 def method_seeds(config: dict) -> list[int]:
@@ -406,10 +440,14 @@ def trained_stages(config: dict) -> list[str]:
     return [stage for stage in ("sft", "reward_model", "dpo") if stages[stage] and not config[stage].get("from")]
 
 
+# The data.<role> blocks each dataset preprocess writes reads (dag_stages's `datasets`).
+DATASET_ROLES = {"sft": ("sft",), "pairs": ("preference",), "prompts": ("prompts", "eval")}
+
+
 def preprocess_params(config: dict, dataset: str) -> dict:
     """What preprocess reads to write one dataset (its cache key): the formatting keys of `data` and the dataset's
     own blocks (prompts: data.prompts and data.eval, whose held-out share or rows it writes)."""
-    roles = {"sft": ("sft",), "pairs": ("preference",), "prompts": ("prompts", "eval")}[dataset]
+    roles = DATASET_ROLES[dataset]
     data = {k: v for k, v in config["data"].items() if k not in ("sft", "preference", "prompts", "eval") or k in roles}
     return {"data": data, "dataset": dataset, "seed": config["seed"]}
 

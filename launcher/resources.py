@@ -3,8 +3,10 @@
 A stage's resources come from the config's `launcher` block, its `launcher.stages.<stage>` entry, then the
 Snakemake resources a profile gives the rule (`stage_resources`); each value is checked and the error names
 where it came from. On Slurm, `check_slurm` asks `sbatch --test-only` whether the job would be accepted.
-`check_stages` runs the same checks, all but `sbatch --test-only`, for every job of the DAG at parse time.
+`check_stages` runs the same checks, all but `sbatch --test-only`, for every job of the DAG at parse time, and
+`check_slurm_stages` that Slurm's commands are there and knows the partitions the stages name.
 """
+import functools
 import glob
 import math
 import os
@@ -34,6 +36,10 @@ OWN_SBATCH_OPTIONS = {"nodes": "nodes", "ntasks": "nodes", "ntasks-per-node": "n
                       "account": "account", "gpus-per-node": "gpus_per_node", "gpus": "gpus_per_node",
                       "output": None, "error": None, "job-name": None, "signal": None, "open-mode": None,
                       "wrap": None, "array": None}
+
+# The least memory a stage's job may ask for, in GB (the schema's minimum of mem_gb): its Python with torch alone takes
+# about that; Slurm would kill a job of less at its first import, after the stages before it ran.
+MIN_MEM_GB = 1
 
 
 class LaunchConfigError(ValueError):
@@ -78,8 +84,8 @@ def _coerce(key: str, value, source: str):
             number = float(value)
         except (TypeError, ValueError):
             raise bad("a number of GB") from None
-        if isinstance(value, bool) or not math.isfinite(number) or number <= 0:
-            raise bad("a number of GB > 0")
+        if isinstance(value, bool) or not math.isfinite(number) or number < MIN_MEM_GB:
+            raise bad(f"a number of GB >= {MIN_MEM_GB} (a stage's Python with torch alone takes about that)")
         return number
     minimum = {"nodes": 1, "cpus_per_node": 1, "timeout_min": 1, "gpus_per_node": 0}[key]
     # An int, or the digits of one (profile values may arrive as text); 2.0, "2.0", inf and NaN are refused.
@@ -282,6 +288,56 @@ def check_slurm(run_name: str, resources: dict, sources: dict) -> None:
                                 f"{said}\n  where the values come from: {origin}")
 
 
+def stage_list(labels: list[str]) -> str:
+    """'stage sft' or 'stages rl/grpo, rl/ppo': the stages (rl: its variants) a problem stops, each once."""
+    labels = list(dict.fromkeys(labels))
+    return f"stage{'s' if len(labels) > 1 else ''} {', '.join(labels)}"
+
+
+@functools.lru_cache(maxsize=None)
+def slurm_partitions(sinfo: str, slurm_conf: str | None) -> tuple[tuple[str, ...], str | None]:
+    """(the partitions of the Slurm cluster that `sinfo` (a path) and SLURM_CONF reach, hidden ones too, the default's
+    `*` mark stripped; what went wrong, or None): asked once per process and cluster."""
+    try:
+        proc = subprocess.run([sinfo, "--all", "--noheader", "--format=%P"], capture_output=True, text=True,
+                              timeout=30, stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        return (), "`sinfo` did not answer within 30 s: is slurmctld reachable?"
+    if proc.returncode != 0:
+        said = " ".join(line.strip() for line in (proc.stderr + proc.stdout).splitlines() if line.strip())
+        return (), f"`sinfo` failed (exit status {proc.returncode}): {said}"
+    return tuple(dict.fromkeys(line.strip().rstrip("*") for line in proc.stdout.splitlines() if line.strip())), None
+
+
+def check_slurm_stages(jobs, launcher: dict, profile_for=None) -> list[str]:
+    """Where a job of the DAG runs on Slurm: `sbatch` (to submit) and `sinfo` on PATH, and every partition a stage
+    names (a comma-separated list too, as sbatch takes it) one of the cluster's, asked once (`sinfo`). `jobs`,
+    `profile_for` and what is returned as check_stages's; the values are check_stages's, already checked."""
+    on_slurm: dict[str, list[str]] = {}  # where `cluster: slurm` came from -> the stages it sends there
+    named: dict[tuple[str, str], list[str]] = {}  # (partition, where it came from) -> the stages that name it
+    for stage, _, params in jobs:
+        label = f"rl/{params['variant']}" if stage == "rl" else stage
+        resources, sources = stage_resources(stage, launcher, profile_for(stage) if profile_for else None)
+        if resources["cluster"] != "slurm":
+            continue
+        on_slurm.setdefault(sources["cluster"], []).append(label)
+        for partition in (resources["partition"] or "").split(","):
+            if partition:
+                named.setdefault((partition, sources["partition"]), []).append(label)
+    problems = [f"{stage_list(labels)}: {source} = slurm, but `{command}` is not on this machine's PATH; run where "
+                f"Slurm's commands are (a login node), or set {source} to local"
+                for source, labels in on_slurm.items() for command in ("sbatch", "sinfo") if not shutil.which(command)]
+    if problems or not named:
+        return problems
+    partitions, failed = slurm_partitions(shutil.which("sinfo"), os.environ.get("SLURM_CONF"))
+    if failed:
+        return [f"{stage_list([label for labels in named.values() for label in labels])}: cannot check the partitions "
+                f"they name ({', '.join(dict.fromkeys(p for p, _ in named))}): {failed}"]
+    return [f"{stage_list(labels)}: {source} = {partition!r} is not a partition of this Slurm cluster; its partitions: "
+            f"{', '.join(partitions) or 'none'}" for (partition, source), labels in named.items()
+            if partition not in partitions]
+
+
 def check_stages(jobs, launcher: dict, profile_for=None) -> list[str]:
     """The launcher's own checks (stage_resources, check_fits; not `sbatch --test-only`, which needs Slurm and stays
     with each job) of every job the DAG runs, before any is queued. `jobs`: (stage, run name, params) as the rules
@@ -299,4 +355,4 @@ def check_stages(jobs, launcher: dict, profile_for=None) -> list[str]:
             labels = problems.setdefault(str(err), [])
             if label not in labels:
                 labels.append(label)
-    return [f"stage{'s' if len(labels) > 1 else ''} {', '.join(labels)}: {err}" for err, labels in problems.items()]
+    return [f"{stage_list(labels)}: {err}" for err, labels in problems.items()]

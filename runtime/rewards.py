@@ -1,12 +1,14 @@
 """Task rewards: reward functions from Python files, checked, and the VADER sentiment the movie-review task uses.
 
 A reward file defines `reward_fn(prompts, completions, labels) -> one number per completion` (prompts as the model
-saw them, completions as text, labels from the dataset's label_key or None). It is imported and its signature checked
-before any job is queued (launcher/config.py); each call's result is checked where it is used.
+saw them, completions as text, labels from the dataset's label_key or None). Before any job is queued it is imported,
+its signature checked and it is called once on a few of the experiment's prompts (launcher/config.py); each call's
+result is checked where it is used.
 """
 import importlib.util
 import inspect
 import math
+import traceback
 from pathlib import Path
 
 
@@ -60,6 +62,25 @@ def call_reward_fn(reward_fn, path, prompts: list[str], completions: list[str], 
         raise RewardFileError(f"{path}: reward_fn returned {scores[bad[0]]} for completion {bad[0]} "
                               f"({completions[bad[0]]!r:.100}); every score must be a finite number")
     return scores
+
+
+# What a reward file's check pairs with the experiment's prompts: short replies of the kinds a policy gives.
+MADE_UP_COMPLETIONS = ("42", "Yes.", "I liked this film.", "No")
+
+
+def check_reward_call(reward_fn, path, prompts: list[str], labels: list, where: str) -> None:
+    """Call reward_fn once as the runtime calls it, on `prompts` (with their labels; `where`: where they come from)
+    and made-up completions; RewardFileError naming the file and the call if it raises, or returns anything but one
+    finite number per completion."""
+    completions = [MADE_UP_COMPLETIONS[i % len(MADE_UP_COMPLETIONS)] for i in range(len(prompts))]
+    call = f"called on {len(prompts)} prompts of {where} with made-up completions {completions}"
+    try:
+        call_reward_fn(reward_fn, path, prompts, completions, labels)
+    except RewardFileError as err:
+        raise RewardFileError(f"{err} ({call})") from None
+    except Exception as err:
+        raise RewardFileError(f"{path}: reward_fn raised {traceback.format_exception_only(err)[-1].strip()} "
+                              f"({call})") from None
 
 
 def sentiment(texts: list[str]) -> list[float]:

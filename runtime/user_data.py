@@ -7,11 +7,14 @@ Each role names its keys in the config (data.sft, data.preference, data.prompts,
   prompts     input_key (text or messages); label_key (passed to reward functions)
   eval        as prompts; output_key (optional): a reference response
 `check_datasets` runs in the Snakefile, before any job is queued, and names every bad row (up to 20) with its file
-and line. `load_records` is what the preprocess stage reads. Light at import: `datasets` loads only when needed.
+and line; it reads a file a batch at a time (pyarrow for CSV, Parquet and save_to_disk directories), never writing to
+the Hugging Face cache. `load_records` is what the preprocess stage reads. Light at import: `datasets` loads only
+when needed.
 """
 import codecs
 import csv
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -180,17 +183,77 @@ def _jsonl_problems(role: str, spec: dict, path: Path) -> list[str]:
     return problems or ([] if rows else [f"{path}: no rows"])
 
 
+def _table_batches(path: Path, spec: dict):
+    """The rows of a CSV or Parquet file or a save_to_disk directory, a batch (a list of rows) at a time, read with
+    pyarrow: never the whole file in memory, nothing written to the Hugging Face cache. A CSV's types are inferred
+    as `datasets` infers them (an empty cell, NA or null: no value)."""
+    import pyarrow
+    if path.suffix == ".csv":
+        import pyarrow.csv
+        batches = pyarrow.csv.open_csv(path, convert_options=pyarrow.csv.ConvertOptions(strings_can_be_null=True))
+    elif path.suffix == ".parquet":
+        import pyarrow.parquet
+        batches = pyarrow.parquet.ParquetFile(path).iter_batches(batch_size=1024)
+    else:
+        batches = _saved_dataset_batches(path, spec)
+    for batch in batches:
+        yield batch.to_pylist()
+
+
+def _saved_dataset_batches(path: Path, spec: dict):
+    """The record batches of a `datasets` save_to_disk directory: a Dataset, or the `split` of a DatasetDict."""
+    import pyarrow
+    split = path / spec["split"] if (path / "dataset_dict.json").is_file() else path
+    for entry in json.loads((split / "state.json").read_text())["_data_files"]:
+        with pyarrow.memory_map(str(split / entry["filename"])) as source:
+            yield from pyarrow.ipc.open_stream(source)
+
+
 def _table_problems(role: str, spec: dict, path: Path) -> list[str]:
-    try:
-        rows = load_records(spec | {"max_samples": 2**62})
-    except UnicodeDecodeError:
-        return [f"{path}: not UTF-8 text; save the file as UTF-8"]
-    except Exception as err:  # what `datasets` says of a file it cannot read, with the file named
-        return [f"{path}: cannot be read as {FORMATS.get(path.suffix, 'a datasets directory')}: {err}"]
     first_line = 2 if path.suffix == ".csv" else 0  # a CSV's line 1 is its header
     where = (lambda i: f"line {i + first_line}") if first_line else (lambda i: f"row {i}")
-    problems = [f"{path}, {where(i)}: {p}" for i, row in enumerate(rows) for p in row_problems(role, spec, row)]
+    problems, rows = [], 0
+    try:
+        for batch in _table_batches(path, spec):
+            problems += [f"{path}, {where(rows + i)}: {p}" for i, row in enumerate(batch)
+                         for p in row_problems(role, spec, row)]
+            rows += len(batch)
+    except Exception as err:  # what pyarrow says of a file it cannot read, with the file named
+        kind = FORMATS.get(path.suffix, "a datasets save_to_disk directory")
+        problems.append(f"{path}: cannot be read as {kind} (after {rows} rows): {type(err).__name__}: {err}")
     return problems or ([] if rows else [f"{path}: no rows"])
+
+
+def local_rows(spec: dict):
+    """The rows of a local dataset file or directory in file order, read as check_datasets reads them (a JSON Lines
+    line that is not JSON is left out): for looking at a few rows, or all of them, without holding them all."""
+    path = repo_path(spec["path"])
+    if path.suffix == ".json" and _starts_with(path, b"["):
+        yield from json.loads(path.read_bytes())
+    elif path.suffix in (".jsonl", ".json"):
+        with path.open("rb") as fh:
+            for line in fh:  # (split at "\n" only, as _jsonl_problems splits)
+                try:
+                    yield json.loads(line)
+                except ValueError:  # blank, not JSON or not UTF-8
+                    continue
+    else:
+        for batch in _table_batches(path, spec):
+            yield from batch
+
+
+def first_prompts(role: str, spec: dict, count: int, seed: int, builtin: dict) -> tuple[list[str], list]:
+    """(inputs, labels) of the first `count` rows of a prompts or eval dataset, built in or local, that pass
+    row_problems (among the first 100 of a local file): an input as written (a chat's as its last message's text;
+    the template is preprocess's), labels None without a label_key."""
+    if is_builtin(spec["path"]):
+        from runtime.builtin_data import builtin_rows
+        rows = builtin_rows(spec["path"], role, count, seed, builtin, lambda text: text)
+    else:
+        rows = [row for row in itertools.islice(local_rows(spec), 100) if not row_problems(role, spec, row)][:count]
+    inputs = [row[spec["input_key"]] for row in rows]
+    return ([text if isinstance(text, str) else text[-1]["content"] for text in inputs],
+            [row[spec["label_key"]] if spec["label_key"] else None for row in rows])
 
 
 def dataset_problems(role: str, spec: dict) -> list[str]:
@@ -294,14 +357,7 @@ def count_rows(path: Path, spec: dict) -> int | None:
             import pyarrow.parquet
             return pyarrow.parquet.read_metadata(path).num_rows
         if path.is_dir():  # a `datasets` save_to_disk directory: a Dataset, or a DatasetDict of splits
-            import pyarrow
-            split = path / spec["split"] if (path / "dataset_dict.json").is_file() else path
-            files = json.loads((split / "state.json").read_text())["_data_files"]
-            total = 0
-            for entry in files:
-                with pyarrow.memory_map(str(split / entry["filename"])) as source:
-                    total += sum(batch.num_rows for batch in pyarrow.ipc.open_stream(source))
-            return total
+            return sum(batch.num_rows for batch in _saved_dataset_batches(path, spec))
     except Exception:  # a format the count does not know: left to the preprocess stage
         return None
     return None

@@ -3,6 +3,7 @@ module name would clash with tests/slurm/conftest.py)."""
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -75,6 +76,20 @@ def wait_until(predicate, timeout: float, what: str | None = None, interval: flo
             return value
         time.sleep(interval)
     return value
+
+
+def fake_slurm_commands(directory: Path, partitions: str = "debug*", sinfo_fails: bool = False) -> Path:
+    """A folder of stand-ins for Slurm's `sbatch` and `sinfo`, to put first on PATH: the checks before queueing
+    want both there and ask `sinfo` for the cluster's partitions (`partitions`, comma-separated, the default marked
+    `*`: printed one a line), or it fails as without a reachable controller; the stand-in sbatch submits nothing."""
+    directory.mkdir(parents=True, exist_ok=True)
+    answer = ("echo 'sinfo: error: Unable to contact slurm controller (connect failure)' >&2\nexit 1" if sinfo_fails
+              else f"printf '%s\\n' {' '.join(map(shlex.quote, partitions.split(',')))}")
+    (directory / "sinfo").write_text(f"#!/bin/sh\n{answer}\n")
+    (directory / "sbatch").write_text("#!/bin/sh\necho 'sbatch: a stand-in, nothing submitted' >&2\nexit 1\n")
+    for command in ("sbatch", "sinfo"):
+        (directory / command).chmod(0o755)
+    return directory
 
 
 def write_config(path: Path, results_dir: Path, **overrides) -> Path:

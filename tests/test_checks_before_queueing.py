@@ -1,9 +1,11 @@
 """Every check before queueing (issue #17): a bad input stops `snakemake --dry-run` at parse time, in seconds, naming
 the key and where it came from, and nothing is written under results_dir. One test per class of bad input:
 non-finite numbers, a float where an integer is meant, the launcher's resource checks of stages other than
-base_model (config and profile resources), control characters in sbatch_extra, reward files, batches that the
-data cannot fill (rl rollout_batch_size, sft batch_size, dpo batch_size), a key written twice in a config file and
-a stage whose dataset is not given. And what the DAG holds (issue #23): an experiment file stands on its own (a file
+base_model (config and profile resources), control characters in sbatch_extra, reward files (imported, and called
+on the experiment's prompts), batches that the data cannot fill (rl rollout_batch_size, sft batch_size, dpo
+batch_size), a key written twice in a config file, a stage whose dataset is not given, prompts that a local model's
+tokenizer finds all too long, absurd mem_gb and steps, and a partition the Slurm cluster does not have (issue #25).
+And what the DAG holds (issue #23): an experiment file stands on its own (a file
 with only a ppo variant plans no grpo), and without --configfile the demo (config/default.yaml) is planned."""
 import glob
 import json
@@ -16,12 +18,14 @@ import time
 import pytest
 import yaml
 
-from launcher.checks import check_batches
+from launcher.checks import check_batches, check_prompt_lengths
 from launcher.config import REPO_ROOT, ConfigError, check_dag_data, load_config_files, stage_jobs, validate_config
 from runtime.builtin_data import review_pool_sizes
 from runtime.user_data import count_rows
-from launcher.resources import LaunchConfigError, check_stages, stage_resources
-from pipeline_helpers import SNAKEMAKE, planned_jobs, planned_outputs, snakemake, write_config
+from launcher.resources import LaunchConfigError, check_slurm_stages, check_stages, stage_resources
+from pipeline_helpers import SNAKEMAKE, fake_slurm_commands, planned_jobs, planned_outputs, snakemake, write_config
+from test_config import fake_model_dir
+from test_user_data import write_rows
 
 LIMIT_S = 10
 CPUS, GPUS = len(os.sched_getaffinity(0)), len(glob.glob("/dev/nvidia[0-9]*"))  # this machine's, for the local executor
@@ -105,6 +109,11 @@ def test_control_characters_in_sbatch_extra_are_refused(tmp_path, where, text):
     ("missing.py", "no such file"),
     ("no_fn.py", "must define reward_fn(prompts, completions, labels)"),
     ("signature.py", "reward_fn(completions) cannot be called as reward_fn(prompts, completions, labels)"),
+    # called once on the first 4 of tiny's RL prompts (builtin:rotten_tomatoes), with made-up completions
+    ("raises.py", "reward_fn raised KeyError: 'answer' (called on 4 prompts of data.prompts (builtin:rotten_tomatoes) "
+                  "with made-up completions ['42', 'Yes.', 'I liked this film.', 'No'])"),
+    ("nan.py", "reward_fn returned nan for completion 0 ('42'); every score must be a finite number"),
+    ("count.py", "reward_fn returned 1 scores for 4 completions (called on 4 prompts of data.prompts"),
 ])
 def test_reward_files_are_imported_and_checked(tmp_path, reward, fragment):
     files = tmp_path / "rewards"
@@ -113,8 +122,11 @@ def test_reward_files_are_imported_and_checked(tmp_path, reward, fragment):
     (files / "a_directory.py").mkdir()
     (files / "no_fn.py").write_text("def score(prompts, completions, labels): pass\n")
     (files / "signature.py").write_text("def reward_fn(completions): pass\n")
+    for name, scores in (("raises.py", "[{}['answer'] for c in completions]"),
+                         ("nan.py", "[float('nan')] * len(completions)"), ("count.py", "[1.0]")):
+        (files / name).write_text(f"def reward_fn(prompts, completions, labels):\n    return {scores}\n")
     output = refused(tmp_path, rl={"reward": str(files / reward)})
-    assert "rl.variants.grpo.reward (inherited from rl.reward)" in output, output[-3000:]
+    assert f"rl.variants.grpo.reward (inherited from rl.reward): {files / reward}" in output, output[-3000:]
     assert fragment in output, output[-3000:]
 
 
@@ -164,6 +176,75 @@ def test_a_stage_without_its_dataset_is_refused(tmp_path):
     output = refused(tmp_path, data={"prompts": {"path": None}})
     assert "the experiment's stages need data it does not give" in output, output[-3000:]
     assert "bad.yaml + --config: data.prompts.path is not set, but rl (rl.variants: grpo, ppo) needs it" in output
+
+
+def word_model(path) -> str:
+    """A model directory whose tokenizer.json counts words (one token each), for the checks of a local model."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    directory = fake_model_dir(path)
+    tokenizer = Tokenizer(models.WordLevel({"[UNK]": 0, "word": 1}, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(path / "tokenizer.json"))
+    return directory
+
+
+def test_prompts_all_longer_than_max_prompt_tokens_are_refused(tmp_path):
+    """A local model's tokenizer counts the prompts of a local dataset: none of 20 (the shortest 21 words) fits 16
+    tokens, which preprocess would find only after base_model ran. Two that fit (rows 30 and 40: the check reads on
+    until then) pass."""
+    prompts = write_rows(tmp_path / "long.jsonl", [{"prompt": "word " * (21 + i)} for i in range(20)])
+    overrides = {"model": {"path": word_model(tmp_path / "model")},
+                 "data": {"max_prompt_tokens": 16, "prompts": {"path": str(prompts), "max_samples": 128}}}
+    output = refused(tmp_path, **overrides)
+    assert (f"data.prompts.path = '{prompts}': 0 of the 20 rows preprocess reads (data.prompts.max_samples = 128) "
+            "have a prompt within data.max_prompt_tokens = 16, and it needs 2; the shortest of the others is 21 "
+            "tokens") in output, output[-3000:]
+    write_rows(prompts, [{"prompt": "word " * (3 if i in (30, 40) else 21)} for i in range(50)])
+    config = load_config_files([write_config(tmp_path / "good.yaml", tmp_path / "results", **overrides)])
+    check_prompt_lengths(config, "good.yaml")
+
+
+@pytest.mark.parametrize("overrides, args, fragment", [
+    ({"launcher": {"mem_gb": 0.001}}, (), "launcher.mem_gb = 0.001 is out of range; valid: {'minimum': 1}"),
+    ({"launcher": {"stages": {"rl": {"mem_gb": 0.5}}}}, (),
+     "launcher.stages.rl.mem_gb = 0.5 is out of range; valid: {'minimum': 1}"),
+    ({}, ("--set-resources", "dpo:mem_gb=0"),  # (Snakemake's resources are whole numbers)
+     "Snakemake resource `mem_gb` of rule dpo (profile) = 0 is not valid: expected a number of GB >= 1"),
+    ({"rl": {"steps": 1000000000000}}, (),
+     "rl.steps = 1000000000000 is out of range; valid: {'minimum': 1, 'maximum': 1000000}"),
+], ids=["mem-gb", "stage-mem-gb", "profile-mem-gb", "steps"])
+def test_absurd_memory_and_steps_are_refused(tmp_path, overrides, args, fragment):
+    output = refused(tmp_path, *args, **overrides)
+    assert fragment in output, output[-3000:]
+
+
+def test_a_partition_slurm_does_not_have_is_refused(tmp_path, monkeypatch):
+    """Stages on Slurm: sbatch and sinfo must be on PATH, and each partition named one of the cluster's (stand-ins
+    for Slurm's commands here; tests/slurm runs the real ones)."""
+    monkeypatch.setenv("PATH", f"{fake_slurm_commands(tmp_path / 'bin', 'debug*,cpu')}:{os.environ['PATH']}")
+    output = refused(tmp_path, launcher={"cluster": "slurm", "partition": "cpu",
+                                         "stages": {"rl": {"partition": "gpux"}}})
+    assert ("jobs Slurm cannot take (nothing was queued)\n  stages rl/grpo, rl/ppo: launcher.stages.rl.partition = "
+            "'gpux' is not a partition of this Slurm cluster; its partitions: debug, cpu") in output, output[-3000:]
+
+
+def test_slurm_commands_and_a_cluster_that_does_not_answer(tmp_path, monkeypatch):
+    config = validate_config({"launcher": {"cluster": "slurm", "stages": {"sft": {"partition": "gpu,cpu"}}},
+                              "data": {"sft": {"path": "builtin:imdb"}}})
+    jobs = lambda: stage_jobs(config)
+    monkeypatch.setenv("PATH", str(fake_slurm_commands(tmp_path / "up", "debug*,gpu,cpu")))
+    assert check_slurm_stages(jobs(), config["launcher"]) == []
+    monkeypatch.setenv("PATH", str(fake_slurm_commands(tmp_path / "down", sinfo_fails=True)))
+    assert check_slurm_stages(jobs(), config["launcher"]) == [
+        "stage sft: cannot check the partitions they name (gpu, cpu): `sinfo` failed (exit status 1): sinfo: error: "
+        "Unable to contact slurm controller (connect failure)"]
+    (tmp_path / "down" / "sbatch").unlink()
+    problems = check_slurm_stages(jobs(), config["launcher"])
+    assert problems == ["stages base_model, preprocess, sft, evaluate, report: launcher.cluster = slurm, but `sbatch` "
+                        "is not on this machine's PATH; run where Slurm's commands are (a login node), or set "
+                        "launcher.cluster to local"], problems
+    local = validate_config({})
+    assert check_slurm_stages(stage_jobs(local), local["launcher"]) == []  # local stages need no Slurm
 
 
 # ---- what the DAG holds ----------------------------------------------------------------------------------------

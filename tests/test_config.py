@@ -314,6 +314,24 @@ def test_a_reward_file_that_ends_or_hangs_its_import_is_refused(tmp_path, monkey
         assert fragment in str(err.value), str(err.value)
 
 
+def test_a_reward_file_is_called_on_the_experiments_first_prompts(tmp_path):
+    """reward_fn is called once, as RL calls it, on the first 4 good rows of data.prompts (a chat's input as its
+    last message's text, the labels of label_key) with made-up completions."""
+    calls = tmp_path / "calls.json"
+    path = reward_file(tmp_path / "recorded.py", f"import json\ndef reward_fn(prompts, completions, labels):\n"
+                       f"    open({str(calls)!r}, 'w').write(json.dumps([prompts, completions, labels]))\n"
+                       "    return [0.0] * len(completions)\n")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(row) + "\n" for row in [
+        {"question": "2+2?", "answer": 4}, {"question": " ", "answer": 0},  # an empty input: not a prompt
+        {"question": [{"role": "user", "content": "Hi."}, {"role": "user", "content": "3+2?"}], "answer": 5},
+        {"question": "1+0?", "answer": 1}, {"question": "1+1?", "answer": 2}, {"question": "1+2?", "answer": 3}]))
+    validate_config({"data": {"prompts": {"path": str(prompts), "input_key": "question", "label_key": "answer"}},
+                     "rl": {"reward": path, "variants": GRPO}})
+    assert json.loads(calls.read_text()) == [["2+2?", "3+2?", "1+0?", "1+1?"],
+                                             ["42", "Yes.", "I liked this film.", "No"], [4, 5, 1, 2]]
+
+
 def test_a_reward_file_is_imported_once_per_dry_run(tmp_path):
     """Two rl variants and the evaluation name one file: one import, in one child process."""
     from pipeline_helpers import snakemake, write_config

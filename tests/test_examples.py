@@ -29,6 +29,7 @@ from launcher.config import (REPO_ROOT, ConfigError, check_dag_data, dag_stages,
                              rl_variant, stage_jobs)
 from launcher.memory import breakdown, memory_plan
 from launcher.resources import LaunchConfigError, check_fits, gpus_needed, stage_resources
+from pipeline_helpers import fake_slurm_commands
 from runtime.user_data import is_hub
 
 EXAMPLES = sorted((REPO_ROOT / "config" / "examples").glob("*.yaml"))
@@ -188,10 +189,12 @@ def test_an_example_with_a_bad_key_is_refused(tmp_path):
 
 def dry_run(configfiles: list, results: Path, hf_home: Path, seed_cache: bool = True,
             profile: Path = SLURM_PROFILE) -> subprocess.CompletedProcess:
-    """`snakemake --profile <profile> all --dry-run --configfile <configfiles>` from the repository root (the slurm
-    profile only sets resources: a dry run needs no sbatch), results in `results`, offline, with a Hugging Face cache
-    at `hf_home` seeded with the hub's config.json files (tests/hub_configs.py) or left empty."""
+    """`snakemake --profile <profile> all --dry-run --configfile <configfiles>` from the repository root, results in
+    `results`, offline, with a Hugging Face cache at `hf_home` seeded with the hub's config.json files
+    (tests/hub_configs.py) or left empty. The checks before queueing want Slurm's commands where stages run on Slurm:
+    stand-ins come first on PATH (the examples name no partition; nothing is submitted in a dry run)."""
     env = os.environ | (seed_hf_cache(hf_home) if seed_cache else hf_env(hf_home))
+    env["PATH"] = f"{fake_slurm_commands(results.parent / 'slurm-commands')}:{env['PATH']}"
     return subprocess.run(
         [str(Path(sys.executable).with_name("snakemake")), "--profile", str(profile.relative_to(REPO_ROOT)), "all",
          "--dry-run", *(["--configfile", *map(str, configfiles)] if configfiles else []),

@@ -2,6 +2,7 @@
 model's prompts and responses; the built-in datasets go through the same path."""
 import json
 import os
+import sys
 
 import pytest
 
@@ -110,6 +111,33 @@ def test_line_separators_inside_json_strings_are_text(tmp_path):
     path = tmp_path / "p.jsonl"
     path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
     user_data.check_datasets(data_block(prompts={"path": str(path), "label_key": "label"}), tmp_path / "checked.json")
+
+
+def test_csv_parquet_and_saved_rows_are_read_in_batches_without_datasets(tmp_path, monkeypatch):
+    """A CSV (over pyarrow's 1 MB block), a Parquet file (over its 1024-row batch) and a save_to_disk directory are
+    checked a batch at a time with pyarrow: `datasets`, whose load_dataset copies a file into ~/.cache/huggingface,
+    is not imported, and a row past the first batch keeps its line (CSV) or row number."""
+    import datasets
+    rows = [{"prompt": f"Say the number {i} please.", "label": str(i)} for i in range(60_000)]
+    rows[59_000]["prompt"] = None
+    (tmp_path / "p.csv").write_text("prompt,label\n" + "".join(f"{row['prompt'] or ''},{row['label']}\n"
+                                                               for row in rows))
+    datasets.Dataset.from_list(rows[:3000]).to_parquet(str(tmp_path / "p.parquet"))
+    datasets.Dataset.from_list(rows[58_990:59_010]).save_to_disk(str(tmp_path / "saved"))
+    assert (tmp_path / "p.csv").stat().st_size > 2**20
+    monkeypatch.setitem(sys.modules, "datasets", None)  # `import datasets` fails
+    data = data_block(prompts={"path": str(tmp_path / "p.csv"), "label_key": "label"},
+                      eval={"path": str(tmp_path / "saved"), "label_key": "label"})
+    with pytest.raises(user_data.DataError) as err:
+        user_data.check_datasets(data, tmp_path / "checked.json")
+    assert str(err.value).splitlines()[1:] == [
+        f"  {tmp_path / 'p.csv'}, line 59002: 'prompt' has no value (null, or an empty cell)",
+        f"  {tmp_path / 'saved'}, row 10: 'prompt' has no value (null, or an empty cell)"], str(err.value)
+    parquet = tmp_path / "p.parquet"
+    pyarrow_rows = [row for row in user_data.local_rows({"path": str(parquet), "split": "train"})]
+    assert len(pyarrow_rows) == 3000 and pyarrow_rows[2500] == rows[2500]
+    user_data.check_datasets(data_block(prompts={"path": str(parquet), "label_key": "label"}),
+                             tmp_path / "checked.json")
 
 
 def test_a_checked_file_is_not_read_again_until_it_changes(tmp_path, monkeypatch):
