@@ -190,9 +190,11 @@ def check_batches(config: dict, source: str) -> None:
 # The preprocess stage drops each row whose prompt is longer and fails with fewer than 2 left, after base_model ran.
 # Where model.path is a local model with a tokenizer.json, its tokenizer counts the prompts here first: each input as
 # written (input_template applied; the chat template, which only adds tokens, left out), so a count is at most the
-# stage's and a refusal here is one there. The rows read are bounded (PROMPT_CHECK_ROWS, and the check stops at the
-# second prompt that fits), which keeps it within seconds on a large file.
+# stage's and a refusal here is one there. The work is bounded (PROMPT_CHECK_ROWS rows, PROMPT_CHECK_CHARACTERS of
+# prompts, and the check stops at the second prompt that fits), which keeps it within seconds on a large file; where
+# a bound stops it before every row preprocess reads was counted, nothing is refused.
 PROMPT_CHECK_ROWS = 2000
+PROMPT_CHECK_CHARACTERS = 2_000_000
 
 
 def _prompt_input(role: str, spec: dict, row: dict):
@@ -230,9 +232,13 @@ def check_prompt_lengths(config: dict, source: str) -> None:
         spec = data[role]
         if not spec["path"] or is_builtin(spec["path"]) or is_hub(spec["path"]):
             continue
-        rows = itertools.islice(local_rows(spec), min(spec["max_samples"], PROMPT_CHECK_ROWS))
-        fitting, longer, read = 0, [], 0
-        while fitting < 2 and (batch := list(itertools.islice(rows, 256))):
+        rows = itertools.islice(local_rows(spec), spec["max_samples"])  # the rows preprocess reads
+        fitting, longer, read, characters, exhausted = 0, [], 0, 0, False
+        while fitting < 2 and read < PROMPT_CHECK_ROWS and characters < PROMPT_CHECK_CHARACTERS:
+            batch = list(itertools.islice(rows, min(256, PROMPT_CHECK_ROWS - read)))
+            if not batch:
+                exhausted = True
+                break
             read += len(batch)
             texts = []
             for row in batch:
@@ -243,14 +249,15 @@ def check_prompt_lengths(config: dict, source: str) -> None:
                     texts.append(template.format(value) if template else value)
                 else:  # a chat: its messages' texts (the template adds the rest)
                     texts.append("\n".join(message["content"] for message in value))
+            characters += sum(map(len, texts))
             for encoding in tokenizer.encode_batch(texts, add_special_tokens=False):
                 if len(encoding.ids) <= limit:
                     fitting += 1
                 else:
                     longer.append(len(encoding.ids))
-        every_row_counted = read < PROMPT_CHECK_ROWS or spec["max_samples"] <= PROMPT_CHECK_ROWS
+        every_row_counted = exhausted or read == spec["max_samples"]
         if fitting < 2 and every_row_counted:
-            shortest = f"; the shortest of the others is {min(longer)} tokens" if longer else ""
+            shortest = f"; the shortest{' of the others' if fitting else ''} is {min(longer)} tokens" if longer else ""
             problems.append(f"{source}: data.{role}.path = {spec['path']!r}: {fitting} of the {read} rows preprocess "
                             f"reads (data.{role}.max_samples = {spec['max_samples']}) have a prompt within "
                             f"data.max_prompt_tokens = {limit}, and it needs 2{shortest} (model.path's tokenizer, "

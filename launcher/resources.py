@@ -313,20 +313,20 @@ def check_slurm_stages(jobs, launcher: dict, profile_for=None) -> list[str]:
     """Where a job of the DAG runs on Slurm: `sbatch` (to submit) and `sinfo` on PATH, and every partition a stage
     names (a comma-separated list too, as sbatch takes it) one of the cluster's, asked once (`sinfo`). `jobs`,
     `profile_for` and what is returned as check_stages's; the values are check_stages's, already checked."""
-    on_slurm: dict[str, list[str]] = {}  # where `cluster: slurm` came from -> the stages it sends there
+    on_slurm: dict[str, str] = {}  # the stages sent to Slurm -> where `cluster: slurm` came from
     named: dict[tuple[str, str], list[str]] = {}  # (partition, where it came from) -> the stages that name it
     for stage, _, params in jobs:
         label = f"rl/{params['variant']}" if stage == "rl" else stage
         resources, sources = stage_resources(stage, launcher, profile_for(stage) if profile_for else None)
         if resources["cluster"] != "slurm":
             continue
-        on_slurm.setdefault(sources["cluster"], []).append(label)
+        on_slurm[label] = sources["cluster"]
         for partition in (resources["partition"] or "").split(","):
             if partition:
                 named.setdefault((partition, sources["partition"]), []).append(label)
-    problems = [f"{stage_list(labels)}: {source} = slurm, but `{command}` is not on this machine's PATH; run where "
-                f"Slurm's commands are (a login node), or set {source} to local"
-                for source, labels in on_slurm.items() for command in ("sbatch", "sinfo") if not shutil.which(command)]
+    problems = [f"{stage_list(list(on_slurm))}: {'; '.join(dict.fromkeys(on_slurm.values()))} = slurm, but "
+                f"`{command}` is not on this machine's PATH; run where Slurm's commands are (a login node), or set "
+                "cluster: local" for command in ("sbatch", "sinfo") if on_slurm and not shutil.which(command)]
     if problems or not named:
         return problems
     partitions, failed = slurm_partitions(shutil.which("sinfo"), os.environ.get("SLURM_CONF"))

@@ -18,7 +18,7 @@ import time
 import pytest
 import yaml
 
-from launcher.checks import check_batches, check_prompt_lengths
+from launcher.checks import PROMPT_CHECK_ROWS, check_batches, check_prompt_lengths
 from launcher.config import REPO_ROOT, ConfigError, check_dag_data, load_config_files, stage_jobs, validate_config
 from runtime.builtin_data import review_pool_sizes
 from runtime.user_data import count_rows
@@ -191,17 +191,23 @@ def word_model(path) -> str:
 def test_prompts_all_longer_than_max_prompt_tokens_are_refused(tmp_path):
     """A local model's tokenizer counts the prompts of a local dataset: none of 20 (the shortest 21 words) fits 16
     tokens, which preprocess would find only after base_model ran. Two that fit (rows 30 and 40: the check reads on
-    until then) pass."""
+    until then) pass; so do rows past what the check reads (PROMPT_CHECK_ROWS), which it cannot judge."""
     prompts = write_rows(tmp_path / "long.jsonl", [{"prompt": "word " * (21 + i)} for i in range(20)])
     overrides = {"model": {"path": word_model(tmp_path / "model")},
                  "data": {"max_prompt_tokens": 16, "prompts": {"path": str(prompts), "max_samples": 128}}}
     output = refused(tmp_path, **overrides)
     assert (f"data.prompts.path = '{prompts}': 0 of the 20 rows preprocess reads (data.prompts.max_samples = 128) "
-            "have a prompt within data.max_prompt_tokens = 16, and it needs 2; the shortest of the others is 21 "
-            "tokens") in output, output[-3000:]
+            "have a prompt within data.max_prompt_tokens = 16, and it needs 2; the shortest is 21 tokens") in output, \
+        output[-3000:]
     write_rows(prompts, [{"prompt": "word " * (3 if i in (30, 40) else 21)} for i in range(50)])
     config = load_config_files([write_config(tmp_path / "good.yaml", tmp_path / "results", **overrides)])
     check_prompt_lengths(config, "good.yaml")
+    write_rows(prompts, [{"prompt": "word " * 21}] * (PROMPT_CHECK_ROWS + 1))
+    config["data"]["prompts"]["max_samples"] = PROMPT_CHECK_ROWS + 1
+    check_prompt_lengths(config, "good.yaml")
+    config["data"]["prompts"]["max_samples"] = PROMPT_CHECK_ROWS
+    with pytest.raises(ConfigError, match=f"0 of the {PROMPT_CHECK_ROWS} rows preprocess reads"):
+        check_prompt_lengths(config, "good.yaml")
 
 
 @pytest.mark.parametrize("overrides, args, fragment", [
@@ -242,7 +248,7 @@ def test_slurm_commands_and_a_cluster_that_does_not_answer(tmp_path, monkeypatch
     problems = check_slurm_stages(jobs(), config["launcher"])
     assert problems == ["stages base_model, preprocess, sft, evaluate, report: launcher.cluster = slurm, but `sbatch` "
                         "is not on this machine's PATH; run where Slurm's commands are (a login node), or set "
-                        "launcher.cluster to local"], problems
+                        "cluster: local"], problems
     local = validate_config({})
     assert check_slurm_stages(stage_jobs(local), local["launcher"]) == []  # local stages need no Slurm
 
