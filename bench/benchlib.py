@@ -95,8 +95,9 @@ def base_model(model_dir: Path, tiny: bool) -> Path:
     return model_dir
 
 
-def add_common_args(parser, name: str, steps: int, warmup: int) -> None:
-    """--model, --steps, --warmup, --tiny, --sides, --out: the options every throughput bench has."""
+def add_common_args(parser, name: str, steps: int, warmup: int, sides: tuple[str, ...] = SIDES) -> None:
+    """--model, --steps, --warmup, --tiny, --sides, --out: the options every throughput bench has (`sides`: what
+    it can run, each in a process of its own)."""
     parser.add_argument("--model", type=Path, help="base model directory (built there if missing; default "
                         "results/bench/smollm2-135m-instruct, with --tiny results/bench/tiny)")
     assert steps - warmup >= MIN_STEADY_STEPS, "a bench's defaults time at least MIN_STEADY_STEPS steady steps"
@@ -107,12 +108,12 @@ def add_common_args(parser, name: str, steps: int, warmup: int) -> None:
                         f"(default {warmup}, at most --steps - 1)")
     parser.add_argument("--tiny", action="store_true", help="the schema's tiny random model instead of SmolLM2: "
                         "checks the bench's code path (tests/test_benches.py), measures nothing")
-    parser.add_argument("--sides", default=",".join(SIDES),
-                        help="comma-separated sides to run (alignpipe,trl); `alignpipe` alone needs no TRL")
+    parser.add_argument("--sides", default=",".join(sides),
+                        help=f"comma-separated sides to run ({','.join(sides)}); without trl, no TRL is needed")
     parser.add_argument("--out", type=Path, help=f"results file (default bench/results/{name}.json; with --tiny "
                         f"results/bench/tiny/{name}.json, so a tiny run never overwrites a real run's results)")
-    parser.add_argument("--only", choices=SIDES, help="internal: run one side in this process, print its step times")
-    parser.set_defaults(bench_name=name, default_warmup=warmup)
+    parser.add_argument("--only", choices=sides, help="internal: run one side in this process, print its step times")
+    parser.set_defaults(bench_name=name, default_warmup=warmup, all_sides=sides)
 
 
 def finish_args(parser, args) -> None:
@@ -124,8 +125,8 @@ def finish_args(parser, args) -> None:
     if not 0 <= args.warmup < args.steps:
         parser.error(f"--warmup {args.warmup} must be in [0, --steps) = [0, {args.steps})")
     args.sides = [s for s in args.sides.split(",") if s]
-    if not args.sides or set(args.sides) - set(SIDES):
-        parser.error(f"--sides {','.join(args.sides)}: choose from {','.join(SIDES)}")
+    if not args.sides or set(args.sides) - set(args.all_sides):
+        parser.error(f"--sides {','.join(args.sides)}: choose from {','.join(args.all_sides)}")
     args.model = args.model or default_model(args.tiny)
     if args.out is None:
         args.out = REPO / ("results/bench/tiny" if args.tiny else "bench/results") / f"{args.bench_name}.json"

@@ -1,7 +1,8 @@
 """GRPO step throughput: alignpipe's rl stage machinery vs TRL's GRPOTrainer, same model/data/batch/lengths.
 
     make bench-grpo       # or: .venv/bin/python bench/grpo_throughput.py   (9 steps, the first excluded)
-    .venv/bin/python bench/grpo_throughput.py --tiny --steps 1 --sides alignpipe   # the code path only (tests)
+    .venv/bin/python bench/grpo_throughput.py --sides alignpipe,alignpipe-async,alignpipe-packed   # no TRL
+    .venv/bin/python bench/grpo_throughput.py --tiny --steps 2 --sides alignpipe-async,alignpipe-packed   # tests
 Both run GRPO on SmolLM2-135M-Instruct, fp32, on all of this machine's cores, and do the same work per step:
 - the same prompts in the same steps: the IMDB-opening prompts in order, step s gets prompts 4s..4s+3 (TRL with
   shuffle_dataset=False), 4 samples each, temperature and top_p the rl stage's (1.0, 1.0 by default);
@@ -24,6 +25,10 @@ results (bench/results/grpo_throughput.json, `--out`) give each side's steady me
 steps after `--warmup`, and alignpipe's seconds per phase (generate, make_experience, train, weight_sync) with the
 weight sync's own statistics. alignpipe's stage settings not named here are the schema's defaults
 (launcher.config.stage_config).
+Two more alignpipe sides do the same work with one setting of the rl stage changed: `alignpipe-async`
+(async_rollouts 1: step s+1's rollout generated in a thread while step s makes experience and trains, as the stage
+does; its `generate` phase is the time the step waits for it) and `alignpipe-packed` (packing: the policy's and the
+reference's forwards without padding).
 """
 import argparse
 import os
@@ -34,6 +39,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from concurrent.futures import ThreadPoolExecutor
+
 from benchlib import (REPO, StepTimer, add_common_args, base_model, describe, emit, finish_args, run_side,
                       side_results, steady_stats, tagged, trl_step_timer, write_results)
 from launcher.config import stage_config  # noqa: E402  (benchlib puts the repository on sys.path)
@@ -42,6 +49,9 @@ PROMPTS, SAMPLES, NEW_TOKENS, MAX_PROMPT_TOKENS, MICRO_BATCH = 4, 4, 32, 64, 4
 CORES = os.cpu_count()
 REWARD_FILE = REPO / "config" / "rewards" / "sentiment.py"
 PHASES = ("generate", "make_experience", "train", "weight_sync")
+# alignpipe's sides and the rl settings each changes from the first; then TRL's
+ALIGNPIPE_SIDES = {"alignpipe": {}, "alignpipe-async": {"async_rollouts": 1}, "alignpipe-packed": {"packing": True}}
+SIDES = (*ALIGNPIPE_SIDES, "trl")
 
 
 def prompts(model_dir: Path, count: int) -> list[dict]:
@@ -59,9 +69,10 @@ def prompts(model_dir: Path, count: int) -> list[dict]:
     return [{"id": i, **r} for i, r in enumerate(rows)]
 
 
-def rl_config(steps: int, zero_stage: int, workers: int):
-    """The rl stage's Config for variant grpo from the schema's defaults, with what the bench compares and the
-    trainer layout set here; TRL's side takes its sampling settings and learning rate from it too."""
+def rl_config(steps: int, zero_stage: int, workers: int, changed: dict | None = None):
+    """The rl stage's Config for variant grpo from the schema's defaults, with what the bench compares, the
+    trainer layout set here and an alignpipe side's `changed` settings; TRL's side takes its sampling settings and
+    learning rate from it too."""
     from stages import rl
     return stage_config(rl, {"seed": 0, "rl": {"estimator": "group_norm", "rollout_batch_size": PROMPTS,
                                                "n_samples": SAMPLES, "max_new_tokens": NEW_TOKENS,
@@ -70,7 +81,7 @@ def rl_config(steps: int, zero_stage: int, workers: int):
                                                "normalize_reward": False, "steps": steps,
                                                # TRL's GRPO: the KL to the reference (beta 0.01) is a loss term
                                                "kl_in_reward": False, "kl_coef": 0.01,
-                                               "zero_stage": zero_stage, "num_workers": workers}})
+                                               "zero_stage": zero_stage, "num_workers": workers} | (changed or {})})
 
 
 def check_lengths(side: str, lengths: list[int]) -> None:
@@ -80,7 +91,8 @@ def check_lengths(side: str, lengths: list[int]) -> None:
         sys.exit(f"{side}: responses of {min(lengths)}-{max(lengths)} tokens, not all exactly {NEW_TOKENS}")
 
 
-def bench_alignpipe(model_dir: Path, rows: list[dict], steps: int, zero_stage: int, workers: int) -> list[float]:
+def bench_alignpipe(model_dir: Path, rows: list[dict], steps: int, zero_stage: int, workers: int,
+                    side: str = "alignpipe") -> list[float]:
     import ray
     from stages import rl
     from runtime import experience
@@ -88,7 +100,7 @@ def bench_alignpipe(model_dir: Path, rows: list[dict], steps: int, zero_stage: i
     from runtime.rl_actors import Roles
     ray.init(num_cpus=CORES, include_dashboard=False, _temp_dir=tempfile.mkdtemp(prefix="ray-bench-", dir="/tmp"),
              logging_level="WARNING")
-    cfg = rl_config(steps, zero_stage, workers)
+    cfg = rl_config(steps, zero_stage, workers, ALIGNPIPE_SIDES[side])
     if getattr(cfg, "gradient_checkpointing", False):
         sys.exit("the rl stage's schema now checkpoints gradients: TRL's side runs without (set it here)")
     tokenizer = load_tokenizer(model_dir)
@@ -97,17 +109,22 @@ def bench_alignpipe(model_dir: Path, rows: list[dict], steps: int, zero_stage: i
     # The rule's inputs (workflow/rules/rl.smk): the policy to start from and, with a reward file, that file.
     roles = Roles(cfg, {"model": model_dir, "reward_file": REWARD_FILE}, steps, CORES,
                   MAX_PROMPT_TOKENS + NEW_TOKENS + 8, StepTimer())
-    times, lengths = [], []
+    generate = lambda s: experience.generate(roles, rows[s * PROMPTS:(s + 1) * PROMPTS], SAMPLES, cfg, s * 1000,
+                                             cfg.temperature, ignore_eos=True)
+    pool = ThreadPoolExecutor(1) if cfg.async_rollouts else None
+    times, lengths, ahead = [], [], None
     for s in range(steps):
-        batch = rows[s * PROMPTS:(s + 1) * PROMPTS]
-        phases = {}
         t0 = time.perf_counter()
-        samples = experience.generate(roles, batch, SAMPLES, cfg, s * 1000, cfg.temperature, ignore_eos=True)
-        phases["generate"] = time.perf_counter() - t0
+        samples = ahead.result() if ahead else generate(s)
+        phases = {"generate": time.perf_counter() - t0}
+        ahead = pool.submit(generate, s + 1) if pool and s + 1 < steps else None  # as stages/rl.py does
         experience.make_experience(roles, cfg, samples, cfg.kl_coef, {"mean": 0.0, "std": 1.0})
         phases["make_experience"] = time.perf_counter() - t0 - sum(phases.values())
         rl.train_on(roles.policy, cfg, samples, random.Random(s))
         phases["train"] = time.perf_counter() - t0 - sum(phases.values())
+        if ahead:
+            ahead.result()  # the engines are done with the old weights
+            phases["generate"] += time.perf_counter() - t0 - sum(phases.values())
         rl.sync_weights(roles)
         phases["weight_sync"] = time.perf_counter() - t0 - sum(phases.values())
         times.append(time.perf_counter() - t0)
@@ -157,15 +174,17 @@ def bench_trl(model_dir: Path, rows: list[dict], steps: int, zero_stage: int, wo
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_common_args(parser, "grpo_throughput", steps=9, warmup=1)
+    add_common_args(parser, "grpo_throughput", steps=9, warmup=1, sides=SIDES)
     parser.add_argument("--zero-stage", type=int, default=0, choices=[0, 1, 2, 3])
     parser.add_argument("--workers", type=int, default=1, help="alignpipe's policy ranks (DeepSpeed)")
     args = parser.parse_args()
     finish_args(parser, args)
     if args.only:
         rows = prompts(args.model, args.steps * PROMPTS)
-        bench = bench_alignpipe if args.only == "alignpipe" else bench_trl
-        emit("STEP_TIMES", bench(args.model, rows, args.steps, args.zero_stage, args.workers))
+        if args.only == "trl":
+            emit("STEP_TIMES", bench_trl(args.model, rows, args.steps, args.zero_stage, args.workers))
+        else:
+            emit("STEP_TIMES", bench_alignpipe(args.model, rows, args.steps, args.zero_stage, args.workers, args.only))
         return
     base_model(args.model, args.tiny)
     results = {}
@@ -193,10 +212,11 @@ def main() -> None:
                         "response_tokens": f"exactly {NEW_TOKENS}: alignpipe vLLM ignore_eos, TRL min_new_tokens",
                         "gradient_checkpointing": False, "steps": args.steps, "warmup_steps_excluded": args.warmup}
     write_results(args.out, results)
-    if "alignpipe" in results and "trl" in results:
-        a, t = results["alignpipe"]["steady_step_seconds"], results["trl"]["steady_step_seconds"]
-        print(f"speed-up alignpipe vs trl: {t['mean'] / a['mean']:.2f}x by mean s/step, "
-              f"{t['median'] / a['median']:.2f}x by median", flush=True)
+    for side, other in [(s, "alignpipe") for s in ALIGNPIPE_SIDES if s != "alignpipe"] + [("alignpipe", "trl")]:
+        if side in results and other in results:
+            a, t = results[side]["steady_step_seconds"], results[other]["steady_step_seconds"]
+            print(f"speed-up {side} vs {other}: {t['mean'] / a['mean']:.2f}x by mean s/step, "
+                  f"{t['median'] / a['median']:.2f}x by median", flush=True)
 
 
 if __name__ == "__main__":

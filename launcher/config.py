@@ -15,6 +15,7 @@ import jsonschema
 import yaml
 
 from runtime.models import LINEAR_LAYERS
+from runtime.rewards import reward_name
 from runtime.tracking import TrackingURIError, check_tracking_uri, config_hash
 from runtime.user_data import first_prompts, is_builtin, is_hub, repo_path
 
@@ -221,9 +222,13 @@ def check_consistency(config: dict, source: str) -> None:
         if rl["reward"] != "model":
             inherited = "" if "reward" in config["rl"]["variants"][name] else " (inherited from rl.reward)"
             check_reward_file(rl["reward"], f"{source}: rl.variants.{name}.reward{inherited}", prompts)
+    columns = {}  # each reward's column of the results (reward_<file name>): two files may not share one
     for i, reward in enumerate(config["evaluate"]["rewards"]):
         if reward != "model":
             check_reward_file(reward, f"{source}: evaluate.rewards.{i}", prompts)
+        if (other := columns.setdefault(reward_name(reward), reward)) != reward:
+            raise ConfigError(f"{source}: evaluate.rewards: {other!r} and {reward!r} would both be the results' column "
+                              f"{reward_name(reward)!r} (a reward's column is its file's name); rename one of the files")
     models = dag_models(config)
     for i, model in enumerate(config["evaluate"]["models"]):
         if model not in models:

@@ -29,17 +29,21 @@ def run_bench(script: str, *args: str) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize("script, rate", [("dpo_throughput.py", "pairs_per_second"),
                                           ("grpo_throughput.py", "samples_per_second")], ids=["dpo", "grpo"])
 def test_throughput_bench_runs_a_tiny_step(tmp_path, tiny_model, script, rate):
+    """GRPO's bench: its asynchronous and packed sides (the plain side's path with one setting changed; two steps,
+    so that a rollout is generated ahead)."""
     out = tmp_path / "result.json"
-    run_bench(script, "--tiny", "--steps", "1", "--sides", "alignpipe", "--model", str(tiny_model), "--out", str(out))
+    sides, steps = (["alignpipe-async", "alignpipe-packed"], 2) if script == "grpo_throughput.py" else (["alignpipe"], 1)
+    run_bench(script, "--tiny", "--steps", str(steps), "--warmup", "0", "--sides", ",".join(sides), "--model",
+              str(tiny_model), "--out", str(out))
     result = json.loads(out.read_text())
-    assert set(result) == {"alignpipe", "setup"}
-    assert result["setup"]["steps"] == 1 and result["setup"]["warmup_steps_excluded"] == 0
-    side = result["alignpipe"]
-    assert len(side["step_seconds"]) == 1 and side["step_seconds"][0] > 0
-    assert side["steady_seconds_per_step"] == side["step_seconds"][0] and side[rate] > 0
-    if script == "grpo_throughput.py":  # each phase of the rl stage's step was timed
-        assert set(side["phase_seconds"]) == {"generate", "make_experience", "train", "weight_sync"}
-        assert all(seconds > 0 for seconds in side["phase_seconds"].values())
+    assert set(result) == {*sides, "setup"}
+    assert result["setup"]["steps"] == steps and result["setup"]["warmup_steps_excluded"] == 0
+    for side in map(result.get, sides):
+        assert len(side["step_seconds"]) == steps and all(seconds > 0 for seconds in side["step_seconds"])
+        assert side["steady_seconds_per_step"] == pytest.approx(sum(side["step_seconds"]) / steps) and side[rate] > 0
+        if script == "grpo_throughput.py":  # each phase of the rl stage's step was timed
+            assert set(side["phase_seconds"]) == {"generate", "make_experience", "train", "weight_sync"}
+            assert all(seconds > 0 for seconds in side["phase_seconds"].values())
 
 
 def test_deepspeed_step_bench_runs_a_tiny_step(tmp_path, tiny_model):

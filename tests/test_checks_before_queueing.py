@@ -130,6 +130,16 @@ def test_reward_files_are_imported_and_checked(tmp_path, reward, fragment):
     assert fragment in output, output[-3000:]
 
 
+def test_two_reward_files_of_one_name_are_refused(tmp_path):
+    """Each reward is a column of the results, named after its file: two files named alike would share one."""
+    other = tmp_path / "rw" / "sentiment.py"
+    other.parent.mkdir()
+    other.write_text("def reward_fn(prompts, completions, labels):\n    return [0.0] * len(completions)\n")
+    output = refused(tmp_path, evaluate={"rewards": ["config/rewards/sentiment.py", str(other)]})
+    assert (f"evaluate.rewards: 'config/rewards/sentiment.py' and '{other}' would both be the results' column "
+            "'sentiment'") in output, output[-3000:]
+
+
 def test_rollout_batch_over_the_prompts_is_refused(tmp_path):
     # tiny: 128 prompts (data.prompts.max_samples) and an eval dataset, so all 128 are training prompts
     output = refused(tmp_path, rl={"rollout_batch_size": 160, "batch_size": 16})

@@ -262,7 +262,7 @@ def test_launcher_edit_plans_nothing(tiny_run, tmp_path):
     (an upgrade of the pipeline between runs of a paper) must not rerun anything."""
     stdout = dry_run_with_edited_code(tiny_run["configfile"], tmp_path, {
         "launcher/submit.py": ("STATE_POLL_S = 10 ", "STATE_POLL_S = 11 "),
-        "launcher/resources.py": ('raise bad("a number of GB > 0")', 'raise bad("a number of GB above 0")'),
+        "launcher/resources.py": ('raise bad("a number of GB")', 'raise bad("a number of gigabytes")'),
         "launcher/config.py": ("has the wrong type; expected", "has the wrong type; expected a value of type"),
     })
     assert planned_jobs(stdout) == {}, stdout[-3000:]
