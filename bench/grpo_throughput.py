@@ -37,9 +37,8 @@ import statistics
 import sys
 import tempfile
 import time
-from pathlib import Path
-
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 from benchlib import (REPO, StepTimer, add_common_args, base_model, describe, emit, finish_args, run_side,
                       side_results, steady_stats, tagged, trl_step_timer, write_results)
