@@ -71,7 +71,7 @@ class StallWatch:
 
     def __init__(self, limit_min: float, run_name: str, job_id: str, grace_s: float = EXIT_GRACE_S):
         self.base_s, self.run_name, self.job_id, self.grace_s = limit_min * 60, run_name, job_id, grace_s
-        self.started = self.last = time.monotonic()
+        self.last = time.monotonic()
         self.last_what, self.last_step, self.slowest, self.stalled = "the stage started", None, 0.0, threading.Event()
         self._over = threading.Event()
         self._main = threading.main_thread().ident
