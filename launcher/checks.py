@@ -28,17 +28,16 @@ def check_before_queueing(config: dict, source: str, resource_settings) -> str |
     the GPU jobs as a table (launcher/memory.py), None without GPU jobs."""
     check_output_dirs(config, source)
     check_dag_data(config, source)
-    problems = check_stages(stage_jobs(config), config["launcher"],
-                            lambda rule: profile_resources(resource_settings, rule))
+    jobs, profile_for = list(stage_jobs(config)), lambda rule: profile_resources(resource_settings, rule)
+    problems = check_stages(jobs, config["launcher"], profile_for)
     if problems:
         raise ConfigError(f"{source}: jobs the launcher would refuse (nothing was queued)\n"
                           + "\n".join("  " + p for p in problems))
-    problems = check_slurm_stages(stage_jobs(config), config["launcher"],
-                                  lambda rule: profile_resources(resource_settings, rule))
+    problems = check_slurm_stages(jobs, config["launcher"], profile_for)
     if problems:
         raise ConfigError(f"{source}: jobs Slurm cannot take (nothing was queued)\n"
                           + "\n".join("  " + p for p in problems))
-    memory_plan = check_memory(config, source, lambda rule: profile_resources(resource_settings, rule))
+    memory_plan = check_memory(config, source, profile_for)
     checked = results_root(config) / config["experiment"] / ".checked_datasets.json"
     with tempfile.TemporaryDirectory() as tmp:
         staged = Path(tmp) / checked.name

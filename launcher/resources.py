@@ -288,6 +288,11 @@ def check_slurm(run_name: str, resources: dict, sources: dict) -> None:
                                 f"{said}\n  where the values come from: {origin}")
 
 
+def stage_label(stage: str, params: dict) -> str:
+    """How a problem names a job's stage: the stage, or rl/<variant> (the seeds of a method share their settings)."""
+    return f"rl/{params['variant']}" if stage == "rl" else stage
+
+
 def stage_list(labels: list[str]) -> str:
     """'stage sft' or 'stages rl/grpo, rl/ppo': the stages (rl: its variants) a problem stops, each once."""
     labels = list(dict.fromkeys(labels))
@@ -316,7 +321,7 @@ def check_slurm_stages(jobs, launcher: dict, profile_for=None) -> list[str]:
     on_slurm: dict[str, str] = {}  # the stages sent to Slurm -> where `cluster: slurm` came from
     named: dict[tuple[str, str], list[str]] = {}  # (partition, where it came from) -> the stages that name it
     for stage, _, params in jobs:
-        label = f"rl/{params['variant']}" if stage == "rl" else stage
+        label = stage_label(stage, params)
         resources, sources = stage_resources(stage, launcher, profile_for(stage) if profile_for else None)
         if resources["cluster"] != "slurm":
             continue
@@ -346,7 +351,7 @@ def check_stages(jobs, launcher: dict, profile_for=None) -> list[str]:
     where its value came from, once with the stages (rl: its variants) it stops."""
     problems: dict[str, list[str]] = {}
     for stage, run_name, params in jobs:
-        label = f"rl/{params['variant']}" if stage == "rl" else stage
+        label = stage_label(stage, params)
         try:
             resources, sources = stage_resources(stage, launcher, profile_for(stage) if profile_for else None)
             check_fits(stage, params, resources, sources)
