@@ -148,7 +148,8 @@ def launch_stage(job: dict, job_io: dict, output: str) -> None:
     job_spec = StageJob(stage=stage, run_name=run_name, params=job["config"], inputs=inputs,
                         output=str(output_path), experiment=context["experiment"],
                         tracking_uri=tracking_uri(context), resources=resources,
-                        checkpoint_dir=str(checkpoint_dir(context, run_name, job["config"])))
+                        checkpoint_dir=str(checkpoint_dir(context, run_name, job["config"])),
+                        hub_downloads=context["launcher"]["hub_downloads"])
     with OutputLock(output_path, run_name) as lock:  # refuses while another job produces this output
         attempts = 2 if resources["requeue_stalled"] else 1
         for attempt in range(1, attempts + 1):

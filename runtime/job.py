@@ -15,6 +15,7 @@ import json
 import os
 import random
 import shutil
+from collections.abc import MutableMapping
 from pathlib import Path
 
 import submitit
@@ -22,10 +23,12 @@ import submitit
 from runtime import checkpoints, tracking
 from runtime.progress import StallWatch, beat
 
-# Set for every job and Ray worker: no hub downloads, quiet tokenizers, vLLM in-process on CPU.
+# Set for every job and Ray worker: no hub downloads (unless the config allows them: set_job_env), quiet tokenizers,
+# vLLM in-process on CPU.
 JOB_ENV = {
     "HF_HUB_OFFLINE": "1",
     "TRANSFORMERS_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
     "TOKENIZERS_PARALLELISM": "false",
     # For a process-local ray.init (the benches). A job's own Ray cluster overrides it: token auth with a fresh
     # secret per job, in the environment of `ray start` and the driver only (runtime/ray_cluster.py).
@@ -41,6 +44,18 @@ JOB_ENV = {
     # cancel, requeue, preemption), burying the log's useful end.
     "RAY_DISABLE_FAILURE_SIGNAL_HANDLER": "1",
 }
+# The hub's offline switches of JOB_ENV.
+HUB_OFFLINE = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE")
+
+
+def set_job_env(environ: MutableMapping, hub_downloads: bool) -> None:
+    """Set JOB_ENV in `environ` (a job's os.environ, before anything reads it; its Ray workers inherit it). Where the
+    config lets the run download (launcher.hub_downloads), the hub's offline switches are removed instead, also
+    those the submitting shell set: the config says whether the stages may download."""
+    environ.update(JOB_ENV)
+    if hub_downloads:
+        for key in HUB_OFFLINE:
+            del environ[key]
 
 
 @dataclasses.dataclass
@@ -56,9 +71,10 @@ class StageJob(submitit.helpers.Checkpointable):
     tracking_uri: str
     resources: dict        # launcher.resources.stage_resources(): cluster, nodes, cpus/gpus per node, ray_port, ...
     checkpoint_dir: str
+    hub_downloads: bool    # launcher.hub_downloads: the stage may download hub models and datasets
 
     def __call__(self):
-        os.environ.update(JOB_ENV)
+        set_job_env(os.environ, self.hub_downloads)
         env = submitit.JobEnvironment()
         # Task 0 runs the driver, which sees every step; the other tasks serve Ray until it leaves.
         with StallWatch(self.resources["stall_min"] if env.global_rank == 0 else 0, self.run_name, env.job_id):

@@ -1,5 +1,5 @@
 """The datasets of an experiment: the user's (a JSONL, Parquet or CSV file, a `datasets` save_to_disk directory, or
-on a cluster with network a hub dataset with a split), loaded with Hugging Face `datasets`, and every row checked.
+a hub dataset with a split), loaded with Hugging Face `datasets`, and every row checked.
 
 Each role names its keys in the config (data.sft, data.preference, data.prompts, data.eval; schema for details):
   sft         input_key + output_key, or messages_key (a chat whose last message is the assistant's reply)
@@ -17,7 +17,6 @@ import hashlib
 import itertools
 import json
 import math
-import os
 import re
 from pathlib import Path
 
@@ -57,9 +56,8 @@ def is_hub(path: str) -> bool:
 
 
 def load_records(spec: dict) -> list[dict]:
-    """The rows of a user dataset (spec: a data.<role> block), the first `max_samples` of them."""
-    if not is_hub(spec["path"]):
-        os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # a local file: never ask the hub for anything
+    """The rows of a user dataset (spec: a data.<role> block), the first `max_samples` of them. Whether a hub dataset
+    may be downloaded is the job's environment's to say (runtime/job.set_job_env); a local one asks the hub nothing."""
     import datasets
     path = repo_path(spec["path"])
     if path.is_dir():
@@ -67,7 +65,7 @@ def load_records(spec: dict) -> list[dict]:
         table = loaded[spec["split"]] if isinstance(loaded, datasets.DatasetDict) else loaded
     elif path.suffix in FORMATS:
         table = datasets.load_dataset(FORMATS[path.suffix], data_files=str(path), split="train")
-    else:  # a hub dataset (clusters with network; never here)
+    else:  # a hub dataset: from the `datasets` cache, or downloaded where launcher.hub_downloads allows
         table = datasets.load_dataset(spec["path"], split=spec["split"])
     return table.select(range(min(len(table), spec["max_samples"]))).to_list()
 

@@ -115,7 +115,8 @@ def submit_again(tiny_run: dict, stage_dir: Path, out_root: Path, experiment: st
     params = record["params"]
     if overrides:
         params = params | {record["stage"]: params[record["stage"]] | overrides}
-    resources, _ = stage_resources(record["stage"], load_config_files([tiny_run["configfile"]])["launcher"])
+    launcher = load_config_files([tiny_run["configfile"]])["launcher"]
+    resources, _ = stage_resources(record["stage"], launcher)
     absolute = lambda p: str(p if Path(p).is_absolute() else REPO_ROOT / p)
     inputs = {k: [absolute(p) for p in v] if isinstance(v, list) else absolute(v) for k, v in record["inputs"].items()}
     run_name = str(stage_dir.relative_to(tiny_run["results"]))
@@ -123,7 +124,7 @@ def submit_again(tiny_run: dict, stage_dir: Path, out_root: Path, experiment: st
     job = make_executor(record["stage"], out_root / "logs", resources).submit(StageJob(
         stage=record["stage"], run_name=run_name, params=params, inputs=inputs, output=str(output),
         experiment=experiment, tracking_uri=tiny_run["mlflow_uri"], resources=resources,
-        checkpoint_dir=str(checkpoints)))
+        checkpoint_dir=str(checkpoints), hub_downloads=launcher["hub_downloads"]))
     return job, output, checkpoints
 
 

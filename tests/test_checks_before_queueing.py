@@ -13,6 +13,7 @@ import os
 import random
 import re
 import subprocess
+import sys
 import time
 
 import pytest
@@ -21,6 +22,7 @@ import yaml
 from launcher.checks import PROMPT_CHECK_ROWS, check_batches, check_prompt_lengths
 from launcher.config import REPO_ROOT, ConfigError, check_dag_data, load_config_files, stage_jobs, validate_config
 from runtime.builtin_data import review_pool_sizes
+from runtime.job import set_job_env
 from runtime.user_data import count_rows
 from launcher.resources import LaunchConfigError, check_slurm_stages, check_stages, stage_resources
 from pipeline_helpers import SNAKEMAKE, fake_slurm_commands, planned_jobs, planned_outputs, snakemake, write_config
@@ -263,6 +265,26 @@ def test_slurm_commands_and_a_cluster_that_does_not_answer(tmp_path, monkeypatch
     assert check_slurm_stages(stage_jobs(local), local["launcher"]) == []  # local stages need no Slurm
 
 
+def test_jobs_run_offline_unless_the_config_allows_downloads(tmp_path):
+    """set_job_env, the first thing a StageJob does: the hub's offline switches are on by default, so that
+    huggingface_hub and `datasets` ask the hub nothing; with launcher.hub_downloads they are off, also where the
+    submitting shell turned one on; the rest of the environment stays."""
+    switches = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_DATASETS_OFFLINE")
+    shell = {key: value for key, value in os.environ.items() if key not in switches} | {"HF_HOME": str(tmp_path),
+                                                                                      "HF_HUB_OFFLINE": "1"}
+    offline, online = dict(shell), dict(shell)
+    set_job_env(offline, hub_downloads=False)
+    set_job_env(online, hub_downloads=True)
+    assert [offline.get(key) for key in switches] == ["1", "1", "1"], offline
+    assert not set(switches) & set(online), online
+    assert online["HF_HOME"] == str(tmp_path) and online["TOKENIZERS_PARALLELISM"] == "false"
+    says = ("import datasets, huggingface_hub.constants as hub\n"
+            "print(hub.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE)")
+    for env, expected in ((offline, ["True", "True"]), (online, ["False", "False"])):
+        proc = subprocess.run([sys.executable, "-c", says], env=env, capture_output=True, text=True)
+        assert proc.returncode == 0 and proc.stdout.split() == expected, proc.stdout + proc.stderr[-2000:]
+
+
 # ---- what the DAG holds ----------------------------------------------------------------------------------------
 
 def test_a_file_with_only_a_ppo_variant_plans_only_ppo(tmp_path):
@@ -415,7 +437,7 @@ def test_a_stage_never_replaces_a_directory_it_did_not_write(tmp_path):
     stage = types.SimpleNamespace(Config=types.SimpleNamespace(from_params=lambda params: None), run=run)
     job = StageJob(stage="sft", run_name="sft", params={"seed": 0}, inputs={}, output=str(output), experiment="tiny",
                    tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}", resources={"cluster": "local"},
-                   checkpoint_dir=str(tmp_path / "ckpt"))
+                   checkpoint_dir=str(tmp_path / "ckpt"), hub_downloads=False)
     with pytest.raises(RuntimeError, match="no stage wrote it"):
         job.run_driver(stage)
     assert [p.name for p in output.iterdir()] == ["thesis.tex"] and not output.with_name("sft.partial").exists()
