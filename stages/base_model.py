@@ -1,8 +1,10 @@
 """Stage `base_model`: the experiment's base model as a plain Hugging Face directory.
 
 `model.path`: your own model directory, linked (weights) and copied (config, tokenizer) into the output; a hub id
-(clusters with network) is downloaded there. Otherwise a built-in model: SmolLM2-135M-Instruct from its package, or
-a tiny random model built from `model.tiny`. The directory records `model.trust_remote_code` for every later loader.
+likewise from its snapshot in the Hugging Face cache (downloaded into it where launcher.hub_downloads allows; the
+jobs run offline otherwise), so its weights stay in the cache, which every node must see. Otherwise a built-in
+model: SmolLM2-135M-Instruct from its package, or a tiny random model built from `model.tiny`. The directory records
+`model.trust_remote_code` for every later loader.
 
     .venv/bin/snakemake --profile cluster_profiles/local results/<experiment>/base_model
 """
@@ -37,8 +39,10 @@ def run(cfg: Config, inputs: dict, output: Path, tracker) -> None:
         models.link_model(repo_path(cfg.path), output)
     elif cfg.path:
         from huggingface_hub import snapshot_download
-        snapshot_download(cfg.path, local_dir=output, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model",
-                                                                      "*.jinja", *(["*.py"] * cfg.trust_remote_code)])
+        # (not into local_dir=output: offline, snapshot_download would look for the model there, not in the cache)
+        snapshot = snapshot_download(cfg.path, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model",
+                                                               "*.jinja", *(["*.py"] * cfg.trust_remote_code)])
+        models.link_model(Path(snapshot), output)
     elif cfg.source == "smollm2-135m-instruct":
         models.build_smollm2(output)
     else:

@@ -1,5 +1,6 @@
 """The config.json of the hub models the memory-plan tests need, as their publishers wrote them (huggingface.co,
-each repository's config.json), and a Hugging Face cache seeded with them so that everything runs offline."""
+each repository's config.json), and a Hugging Face cache seeded with them (or with other models, in the layout that
+huggingface_hub reads offline) so that everything runs offline."""
 import json
 from pathlib import Path
 
@@ -37,17 +38,25 @@ def hf_env(home: Path) -> dict:
     return {"HF_HOME": str(home), "HF_HUB_CACHE": str(home / "hub"), "HF_HUB_OFFLINE": "1"}
 
 
-def seed_hf_cache(home: Path) -> dict:
-    """A Hugging Face cache under `home` with each model's config.json in the hub cache's layout (models--org--name:
-    refs/main names the snapshot that holds the file); returns hf_env(home)."""
+def cache_hub_model(home: Path, repo: str, config: dict, weights: bool = False) -> Path:
+    """Model `repo` in the hub cache's layout under `home` (models--org--name: refs/main names the snapshot that holds
+    its files): its config.json and, with `weights`, a safetensors file (a header, no tensors). Returns the snapshot."""
     revision = "0" * 40
+    cached = home / "hub" / f"models--{repo.replace('/', '--')}"
+    (cached / "refs").mkdir(parents=True, exist_ok=True)
+    (cached / "refs" / "main").write_text(revision)
+    snapshot = cached / "snapshots" / revision
+    snapshot.mkdir(parents=True, exist_ok=True)
+    (snapshot / "config.json").write_text(json.dumps(config, indent=2))
+    if weights:
+        (snapshot / "model.safetensors").write_bytes(len(b"{}").to_bytes(8, "little") + b"{}")
+    return snapshot
+
+
+def seed_hf_cache(home: Path) -> dict:
+    """A Hugging Face cache under `home` with each model's config.json (cache_hub_model); returns hf_env(home)."""
     for repo, config in HUB_CONFIGS.items():
-        cached = home / "hub" / f"models--{repo.replace('/', '--')}"
-        (cached / "refs").mkdir(parents=True, exist_ok=True)
-        (cached / "refs" / "main").write_text(revision)
-        snapshot = cached / "snapshots" / revision
-        snapshot.mkdir(parents=True, exist_ok=True)
-        (snapshot / "config.json").write_text(json.dumps(config, indent=2))
+        cache_hub_model(home, repo, config)
     return hf_env(home)
 
 

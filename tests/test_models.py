@@ -1,8 +1,15 @@
 """Response log-probs computed with the output layer over the response positions only equal those from the
-logits of every position."""
+logits of every position; a hub model in the Hugging Face cache becomes the base model offline."""
+import json
+import os
+import subprocess
+import sys
+
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from hub_configs import cache_hub_model, hf_env
+from launcher.config import REPO_ROOT
 from runtime.logprobs import pad_prompt_response, response_logprobs, token_logprobs
 
 
@@ -50,3 +57,36 @@ def test_trust_remote_code_follows_the_model_directory(tmp_path, monkeypatch):
     models.load_reward_model(tmp_path / "given")
     assert seen and all(seen)
     assert (tmp_path / "given" / "model.safetensors").is_symlink()
+
+
+# The base_model stage in a process of its own, as its job runs it: the job's environment first (offline), then the
+# stage on model.path argv[1], writing into argv[2].
+BASE_MODEL_JOB = """import os, sys
+from pathlib import Path
+from runtime.job import set_job_env
+set_job_env(os.environ, hub_downloads=False)
+sys.path.insert(0, "tests")
+from stage_helpers import Tracker
+from stages import base_model
+model = {"path": sys.argv[1], "source": "tiny", "tiny": {}, "trust_remote_code": False}
+base_model.run(base_model.Config.from_params({"model": model, "seed": 0}), {}, Path(sys.argv[2]), Tracker())
+"""
+
+
+def test_a_hub_model_in_the_cache_is_the_base_model_offline(tmp_path):
+    """model.path a hub id whose snapshot is in the Hugging Face cache: the base_model stage, offline as every job runs
+    unless launcher.hub_downloads, links the snapshot's weights and copies its config and tokenizer (not into
+    snapshot_download's local_dir, where offline it would look for the model instead of in the cache)."""
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2)
+    snapshot = cache_hub_model(tmp_path / "hf", "someorg/tiny-llama", config.to_dict(), weights=True)
+    (snapshot / "tokenizer.json").write_text("{}")
+    output = tmp_path / "base_model"
+    output.mkdir()
+    proc = subprocess.run([sys.executable, "-c", BASE_MODEL_JOB, "someorg/tiny-llama", str(output)], cwd=REPO_ROOT,
+                          capture_output=True, text=True,
+                          env=os.environ | hf_env(tmp_path / "hf") | {"PYTHONPATH": str(REPO_ROOT)})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "someorg/tiny-llama (llama)" in proc.stdout, proc.stdout
+    assert (output / "model.safetensors").resolve() == (snapshot / "model.safetensors").resolve()
+    assert json.loads((output / "config.json").read_text())["hidden_size"] == 32
+    assert (output / "tokenizer.json").is_file() and not (output / "tokenizer.json").is_symlink()
