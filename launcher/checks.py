@@ -1,7 +1,8 @@
-"""The checks that run before anything is queued, at Snakefile parse time (workflow/rules/common.smk): every job's
-resource request as the launcher will check it (launcher/resources.py), Slurm's commands and partitions where stages
-run on Slurm, the users' dataset rows (runtime/user_data.check_datasets), batches that the data cannot fill and
-datasets none of whose prompts fits data.max_prompt_tokens.
+"""The checks that run before anything is queued, at Snakefile parse time (workflow/rules/common.smk): hub ids that
+the offline jobs would not find in the Hugging Face cache, every job's resource request as the launcher will check it
+(launcher/resources.py), Slurm's commands and partitions where stages run on Slurm, the users' dataset rows
+(runtime/user_data.check_datasets), batches that the data cannot fill and datasets none of whose prompts fits
+data.max_prompt_tokens.
 
 Imported by the Snakefile, so it must stay light (no torch, no ray).
 """
@@ -28,6 +29,7 @@ def check_before_queueing(config: dict, source: str, resource_settings) -> str |
     the GPU jobs as a table (launcher/memory.py), None without GPU jobs."""
     check_output_dirs(config, source)
     check_dag_data(config, source)
+    check_hub_ids(config, source)
     jobs, profile_for = list(stage_jobs(config)), lambda rule: profile_resources(resource_settings, rule)
     problems = check_stages(jobs, config["launcher"], profile_for)
     if problems:
@@ -84,6 +86,63 @@ def check_output_dirs(config: dict, source: str) -> None:
                 (path / name).exists() for name in alignpipes) and any(path.iterdir()):
             raise ConfigError(f"{source}: {key} = {value!r} ({path}) holds files that alignpipe did not write (no "
                               f"{RESULTS_MARKER} there); give a new or empty directory, or one alignpipe wrote before")
+
+
+# ---- hub ids the jobs would not find ----------------------------------------------------------------------------
+# The jobs run offline (runtime/job.set_job_env) unless launcher.hub_downloads allows downloads: a hub model or dataset
+# that is not in the Hugging Face cache would fail its stage only after the stages before it ran. Nothing here asks
+# the hub.
+
+def hub_model_in_cache(repo: str) -> bool:
+    """Whether the Hugging Face cache holds a snapshot of model `repo` with its config.json and safetensors weights
+    (what the base_model stage links, offline)."""
+    from huggingface_hub import try_to_load_from_cache
+    try:
+        config = try_to_load_from_cache(repo, "config.json")
+    except ValueError:  # not a valid repository id (huggingface_hub's HFValidationError)
+        return False
+    return isinstance(config, str) and any(Path(config).parent.glob("*.safetensors"))
+
+
+def hub_dataset_cache(repo: str) -> Path:
+    """Where `datasets` keeps hub dataset `repo` once it prepared it, one directory per config, version and hash: the
+    only place its load_dataset looks offline (a snapshot in the hub cache, as `hf download` leaves it, is not read)."""
+    import datasets
+    from datasets.naming import camelcase_to_snakecase
+    org, name = repo.split("/")
+    return Path(datasets.config.HF_DATASETS_CACHE).expanduser() / f"{org}___{camelcase_to_snakecase(name)}"
+
+
+def check_hub_ids(config: dict, source: str) -> None:
+    """With launcher.hub_downloads false, every hub id the DAG reads (model.path; data.<role>.path of each dataset
+    preprocess writes) must be in the cache the jobs read: a model as hub_model_in_cache says, a dataset as
+    hub_dataset_cache. (sft.from and reward_model.from are local directories: launcher/config.check_model_dir.)"""
+    if config["launcher"]["hub_downloads"]:
+        return
+    problems = []
+    model = config["model"]["path"]
+    if model and is_hub(model) and not hub_model_in_cache(model):
+        from huggingface_hub import constants
+        problems.append(f"{source}: model.path = {model!r}: no snapshot of it with config.json and *.safetensors "
+                        f"weights in the Hugging Face cache ({constants.HF_HUB_CACHE}); download it there first, on a "
+                        f"machine with network and the same HF_HOME: hf download {model}")
+    roles = [role for dataset in dag_stages(config)["datasets"] for role in DATASET_ROLES[dataset]]
+    for role in roles:
+        path, split = config["data"][role]["path"], config["data"][role]["split"]
+        if not path or not is_hub(path):
+            continue
+        cache = hub_dataset_cache(path)
+        if not any(prepared.is_dir() for prepared in cache.glob("*/*/*")):
+            problems.append(f"{source}: data.{role}.path = {path!r}: not in the `datasets` cache ({cache}, all that "
+                            "load_dataset reads offline; `hf download` does not fill it); load it there once, on a "
+                            "machine with network and the same HF_HOME: python -c \"import datasets; "
+                            f"datasets.load_dataset({path!r}, split={split!r})\"")
+    if problems:
+        raise ConfigError("hub ids the jobs would not find: they run offline (launcher.hub_downloads: false) on the "
+                          "Hugging Face cache, and nothing was downloaded or queued\n"
+                          + "\n".join("  " + p for p in problems)
+                          + "\n  valid: a local path that exists, a hub id already in the cache (as above), or "
+                          "launcher.hub_downloads: true to let the stages download (their nodes need network)")
 
 
 def profile_resources(settings, rule: str) -> dict:

@@ -1,12 +1,12 @@
 """The memory plan, checked before anything is queued: for every GPU job of the DAG, what its fullest GPU and its
 fullest node hold, phase by phase (what is resident at the same time), and the refusal of a job that does not fit.
 
-The model's sizes come from its own config.json: model.path's directory, or a hub id's config.json through the
-Hugging Face cache (huggingface_hub.hf_hub_download); sft.from and reward_model.from likewise. A GPU's memory is
-launcher.gpu_memory_gb (launcher.stages.<stage>.gpu_memory_gb for one stage), a node's the job's mem_gb. What each
-phase counts follows the code that runs it (stages/, runtime/): weights, gradients and optimizer states by ZeRO stage
-and offload, activations with and without gradient checkpointing, logits, vLLM's share and its KV cache, colocated
-roles together. `snakemake --dry-run` prints the plan (workflow/rules/common.smk).
+The model's sizes come from its own config.json: model.path's directory, or a hub id's config.json from the
+Hugging Face cache (downloaded there where launcher.hub_downloads allows); sft.from and reward_model.from likewise. A
+GPU's memory is launcher.gpu_memory_gb (launcher.stages.<stage>.gpu_memory_gb for one stage), a node's the job's
+mem_gb. What each phase counts follows the code that runs it (stages/, runtime/): weights, gradients and optimizer
+states by ZeRO stage and offload, activations with and without gradient checkpointing, logits, vLLM's share and its KV
+cache, colocated roles together. `snakemake --dry-run` prints the plan (workflow/rules/common.smk).
 
 Imported by the Snakefile (launcher/checks.py), so it must stay light: no torch, no ray; huggingface_hub only for a
 hub id.
@@ -96,17 +96,21 @@ class ModelSize:
 
 # ---- Where the model configs come from ------------------------------------------------------------------------
 
-def read_model_config(path: str, where: str) -> dict:
-    """The config.json of a model directory (relative to the repository root or absolute) or of a hub id (from the
-    Hugging Face cache, downloaded if it is not there; HF_HUB_OFFLINE=1 reads the cache only)."""
+def read_model_config(path: str, where: str, download: bool = False) -> dict:
+    """The config.json of a model directory (relative to the repository root or absolute) or of a hub id: from the
+    Hugging Face cache, downloaded there if it is not where `download` (launcher.hub_downloads) allows; otherwise
+    nothing is asked of the hub (HF_HUB_OFFLINE=1 reads the cache only either way)."""
     if not is_hub(path):
         file = repo_path(path) / "config.json"
         if not file.is_file():
             raise ModelConfigUnavailable(f"{where} = {path!r}: no {file}")
         return json.loads(file.read_text())
-    from huggingface_hub import hf_hub_download, try_to_load_from_cache
+    from huggingface_hub import constants, hf_hub_download, try_to_load_from_cache
     try:
         cached = try_to_load_from_cache(path, "config.json")  # no request where the cache has it
+        if not isinstance(cached, str) and not download:
+            raise ModelConfigUnavailable(f"{where} = {path!r}: its config.json is not in the Hugging Face cache "
+                                         f"({constants.HF_HUB_CACHE}), and launcher.hub_downloads is false")
         return json.loads(Path(cached if isinstance(cached, str) else hf_hub_download(path, "config.json")).read_text())
     except (OSError, ValueError) as err:  # offline and not cached, gated, no such repository, not JSON
         reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
@@ -119,7 +123,7 @@ def base_model_config(config: dict) -> dict:
     built-in SmolLM2, shipped as GGUF) the base_model stage's output once it exists."""
     model = config["model"]
     if model["path"]:
-        return read_model_config(model["path"], "model.path")
+        return read_model_config(model["path"], "model.path", download=config["launcher"]["hub_downloads"])
     if model["source"] == "tiny":
         tiny = model["tiny"]
         if tiny["architecture"] == "gpt2":

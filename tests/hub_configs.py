@@ -1,6 +1,6 @@
 """The config.json of the hub models the memory-plan tests need, as their publishers wrote them (huggingface.co,
-each repository's config.json), and a Hugging Face cache seeded with them (or with other models, in the layout that
-huggingface_hub reads offline) so that everything runs offline."""
+each repository's config.json), and a Hugging Face cache seeded with them (or with other models and datasets, in the
+layouts that huggingface_hub and `datasets` read offline) so that everything runs offline."""
 import json
 from pathlib import Path
 
@@ -51,6 +51,26 @@ def cache_hub_model(home: Path, repo: str, config: dict, weights: bool = False) 
     if weights:
         (snapshot / "model.safetensors").write_bytes(len(b"{}").to_bytes(8, "little") + b"{}")
     return snapshot
+
+
+def cache_hub_dataset(home: Path, repo: str, rows: list[dict], split: str = "train") -> Path:
+    """Hub dataset `repo` as `datasets` leaves it once its load_dataset prepared it, with HF_HOME `home`:
+    dataset_info.json and the split's Arrow file in datasets/<org>___<name in snake case>/<config>/<version>/<hash>/,
+    the directory that load_dataset reads offline. Returns it."""
+    import datasets
+    from datasets.arrow_writer import ArrowWriter
+    from datasets.naming import camelcase_to_snakecase, filename_prefix_for_split
+    org, name = repo.split("/")
+    prepared = home / "datasets" / f"{org}___{camelcase_to_snakecase(name)}" / "default" / "0.0.0" / ("0" * 16)
+    prepared.mkdir(parents=True)
+    table = datasets.Dataset.from_list(rows)
+    splits = datasets.SplitDict(dataset_name=name)
+    splits.add(datasets.SplitInfo(name=split, num_examples=len(rows), dataset_name=name))
+    datasets.DatasetInfo(features=table.features, config_name="default", dataset_name=name,
+                         splits=splits).write_to_directory(str(prepared))
+    with ArrowWriter(path=str(prepared / f"{filename_prefix_for_split(name, split)}.arrow")) as writer:
+        writer.write_table(table.data.table)
+    return prepared
 
 
 def seed_hf_cache(home: Path) -> dict:

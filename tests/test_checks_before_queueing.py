@@ -4,7 +4,8 @@ non-finite numbers, a float where an integer is meant, the launcher's resource c
 base_model (config and profile resources), control characters in sbatch_extra, reward files (imported, and called
 on the experiment's prompts), batches that the data cannot fill (rl rollout_batch_size, sft batch_size, dpo
 batch_size), a key written twice in a config file, a stage whose dataset is not given, prompts that a local model's
-tokenizer finds all too long, absurd mem_gb and steps, and a partition the Slurm cluster does not have (issue #25).
+tokenizer finds all too long, absurd mem_gb and steps, a partition the Slurm cluster does not have, and hub ids that
+the offline jobs would not find in the Hugging Face cache (issue #25).
 And what the DAG holds (issue #23): an experiment file stands on its own (a file
 with only a ppo variant plans no grpo), and without --configfile the demo (config/default.yaml) is planned."""
 import glob
@@ -19,6 +20,7 @@ import time
 import pytest
 import yaml
 
+from hub_configs import cache_hub_dataset, cache_hub_model, hf_env
 from launcher.checks import PROMPT_CHECK_ROWS, check_batches, check_prompt_lengths
 from launcher.config import REPO_ROOT, ConfigError, check_dag_data, load_config_files, stage_jobs, validate_config
 from runtime.builtin_data import review_pool_sizes
@@ -263,6 +265,69 @@ def test_slurm_commands_and_a_cluster_that_does_not_answer(tmp_path, monkeypatch
                         "cluster: local"], problems
     local = validate_config({})
     assert check_slurm_stages(stage_jobs(local), local["launcher"]) == []  # local stages need no Slurm
+
+
+# ---- hub ids: in the Hugging Face cache, or downloads allowed ------------------------------------------------------
+
+HUB_MODEL, HUB_PROMPTS = "someorg/tiny-chat", "someorg/PromptSet"  # nothing of these names is here
+HUB_ROWS = [{"prompt": f"Say the number {i}.", "label": str(i)} for i in range(8)]
+
+
+def hub_experiment(tmp_path, monkeypatch, **launcher) -> tuple:
+    """The tiny experiment with a hub model and hub RL prompts, and a Hugging Face cache of its own (empty, offline)
+    for the dry runs: (config file, its results, HF_HOME)."""
+    hf = tmp_path / "hf"
+    for key, value in hf_env(hf).items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("HF_DATASETS_CACHE", raising=False)
+    results = tmp_path / "results"
+    configfile = write_config(tmp_path / "hub.yaml", results, model={"path": HUB_MODEL}, launcher=launcher, data={
+        "prompts": {"path": HUB_PROMPTS, "max_samples": 128, "label_key": "label"}})
+    return configfile, results, hf
+
+
+def test_hub_ids_not_in_the_cache_are_refused(tmp_path, monkeypatch):
+    """launcher.hub_downloads false (the default): the jobs run offline on the Hugging Face cache, so a hub model
+    without a snapshot there that holds config.json and safetensors weights, and a hub dataset that `datasets` has not
+    prepared there, are refused by the dry run, each naming its key, the id, where it was looked for and how to get it
+    there. Once both are there, as huggingface_hub and `datasets` leave them, the dry run passes, and the preprocess
+    job's load_records, offline, reads the dataset's rows from there."""
+    configfile, results, hf = hub_experiment(tmp_path, monkeypatch)
+    output = refused_file(configfile, results)
+    assert ("hub ids the jobs would not find: they run offline (launcher.hub_downloads: false) on the Hugging Face "
+            "cache, and nothing was downloaded or queued") in output, output[-3000:]
+    assert (f"hub.yaml + --config: model.path = '{HUB_MODEL}': no snapshot of it with config.json and *.safetensors "
+            f"weights in the Hugging Face cache ({hf / 'hub'}); download it there first, on a machine with network "
+            f"and the same HF_HOME: hf download {HUB_MODEL}") in output, output[-3000:]
+    assert (f"hub.yaml + --config: data.prompts.path = '{HUB_PROMPTS}': not in the `datasets` cache "
+            f"({hf / 'datasets' / 'someorg___prompt_set'}, all that load_dataset reads offline; `hf download` does "
+            "not fill it); load it there once, on a machine with network and the same HF_HOME: python -c \"import "
+            f"datasets; datasets.load_dataset('{HUB_PROMPTS}', split='train')\"") in output, output[-3000:]
+    assert ("valid: a local path that exists, a hub id already in the cache (as above), or launcher.hub_downloads: "
+            "true to let the stages download (their nodes need network)") in output
+    cache_hub_model(hf, HUB_MODEL, {"model_type": "llama"})  # config.json alone: base_model would find no weights
+    cache_hub_dataset(hf, HUB_PROMPTS, HUB_ROWS)
+    output = refused_file(configfile, results)
+    assert f"model.path = '{HUB_MODEL}'" in output and "data.prompts.path" not in output, output[-3000:]
+    cache_hub_model(hf, HUB_MODEL, {"model_type": "llama"}, weights=True)
+    snakemake(configfile, "all", "--dry-run", "--config", f"results_dir={results}")
+    assert not results.exists()
+    spec = load_config_files([configfile])["data"]["prompts"]
+    read = ("import json, os, sys\nfrom runtime.job import set_job_env\nset_job_env(os.environ, hub_downloads=False)\n"
+            "from runtime.user_data import load_records\nprint(json.dumps(load_records(json.loads(sys.argv[1]))))")
+    proc = subprocess.run([sys.executable, "-c", read, json.dumps(spec)], cwd=REPO_ROOT, capture_output=True,
+                          text=True, env=os.environ | {"PYTHONPATH": str(REPO_ROOT)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.splitlines()[-1]) == HUB_ROWS
+
+
+def test_with_hub_downloads_hub_ids_not_in_the_cache_pass(tmp_path, monkeypatch):
+    """launcher.hub_downloads: true lets the stages download: the same hub ids, in an empty cache, pass the dry run,
+    and nothing is downloaded at parse time (the cache stays empty)."""
+    configfile, results, hf = hub_experiment(tmp_path, monkeypatch, hub_downloads=True)
+    proc = snakemake(configfile, "all", "--dry-run", "--config", f"results_dir={results}")
+    assert planned_jobs(proc.stdout)["base_model"] == 1, proc.stdout[-3000:]
+    assert not hf.exists() and not results.exists()
 
 
 def test_jobs_run_offline_unless_the_config_allows_downloads(tmp_path):

@@ -10,9 +10,10 @@ For every file there:
     (the job's `mem_gb`);
   - Snakemake's dry run with the slurm profile plans every job: base_model, preprocess per dataset (sft, pairs,
     prompts), sft, reward_model, dpo per seed, rl per variant and seed, evaluate per model (and seed), report, and
-    prints the memory plan, one row per GPU job, each fitting, in the order of the DAG's jobs. The datasets' hub ids
-    are not looked up (runtime/user_data.is_hub); the model's config.json comes from a Hugging Face cache seeded with
-    the published ones (tests/hub_configs.py), so the dry run works offline.
+    prints the memory plan, one row per GPU job, each fitting, in the order of the DAG's jobs. The examples let
+    their jobs download (launcher.hub_downloads), so their hub ids pass uncached and the datasets' are not looked up;
+    the model's config.json comes from a Hugging Face cache seeded with the published ones (tests/hub_configs.py), so
+    the dry run works offline.
 And one vLLM engine more than an example's GPUs hold is refused by check_fits, naming the GPUs.
 """
 import os
