@@ -1,6 +1,7 @@
 """Where a stage runs and how big its job is: config, per-stage overrides, profile resources, and the errors
 a bad request gives before anything is queued. Pure Python (no cluster needed)."""
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -9,6 +10,7 @@ import pytest
 
 from launcher.config import REPO_ROOT, validate_config
 from launcher.resources import LaunchConfigError, check_fits, sbatch_flags, stage_resources
+from pipeline_helpers import fake_slurm_commands
 from runtime.ray_cluster import base_port, node_addresses, ray_start_command
 
 
@@ -90,8 +92,12 @@ def test_slurm_profile_is_found_by_name_from_the_repository_root(tmp_path):
     config.write_text(json.dumps({"experiment": "profile-check", "results_dir": str(tmp_path / "results"),
                                   "data": {role: imdb for role in ("sft", "preference", "prompts", "eval")},
                                   "dpo": {}, "rl": {"variants": {"grpo": {"estimator": "group_norm"}}}}))
-    proc = subprocess.run([str(Path(sys.executable).with_name("snakemake")), "--profile", "slurm", "all", "--configfile", str(config), "--dry-run", "--printshellcmds"],
-                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    # Slurm's commands as the checks before queueing want them (this test needs no cluster; a fresh machine has
+    # none before the slurm_cluster fixture installs it)
+    env = os.environ | {"PATH": f"{fake_slurm_commands(tmp_path / 'bin')}:{os.environ['PATH']}"}
+    proc = subprocess.run([str(Path(sys.executable).with_name("snakemake")), "--profile", "slurm", "all", "--configfile",
+                           str(config), "--dry-run", "--printshellcmds"],
+                          cwd=REPO_ROOT, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     # The profile's default resource reaches each launcher call; nothing was run or written.
     assert '"cluster": "slurm"' in proc.stdout
