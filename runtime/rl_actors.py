@@ -193,19 +193,24 @@ class Roles:
         cpus = 1 if not cfg.colocate else 0 if shared else cpu_share
         start = lambda cls, c: trainer.start_workers(cls, c, inputs["model"], total_train_steps, tracker,
                                                      cpus_per_actor=cpus, gpus_per_actor=gpu, shared=shared)
+        # The frozen models' and engines' torch threads: the CPUs each reserves, or the job's where roles take turns.
+        role_threads = actor_threads(cpus, threads, takes_turns=cfg.colocate and not self.gpus)
+        engines = lambda: start_engines(policy_dir, cfg.seed, max_len, cfg.vllm, role_threads, cpus, self.gpus,
+                                        model_dtype(cfg.precision) if self.gpus else "float32", shared, gpu)
+        # On CPU the engines start first (start_engines does not wait for them): vLLM's start-up runs while the
+        # trainers and scorers load. On GPUs they start last, so that the trainers' GPUs are reserved as planned.
+        self.engines = None if self.gpus else engines()
         self.policy = start(PolicyWorker, cfg)
         self.critic = start(CriticWorker, dataclasses.replace(cfg, learning_rate=cfg.critic_learning_rate)) \
             if wants_critic else None
         self.trainers = {"policy": self.policy} | ({"critic": self.critic} if self.critic else {})
-        # The frozen models' and engines' torch threads: the CPUs each reserves, or the job's where roles take turns.
-        role_threads = actor_threads(cpus, threads, takes_turns=cfg.colocate and not self.gpus)
         frozen = lambda model_dir, kind: self._frozen(cfg, model_dir, kind, role_threads, cpus, gpu, shared, tracker)
         self.reference = frozen(policy_dir, "policy")
         self.reward_model = frozen(str(inputs["reward_model"]), "reward") if wants_reward else None
         self.reward_file = None if wants_reward else inputs["reward_file"]
         self.reward_fn = self.reward_file and load_reward_fn(self.reward_file)
-        self.engines = start_engines(policy_dir, cfg.seed, max_len, cfg.vllm, role_threads, cpus, self.gpus,
-                                     model_dtype(cfg.precision) if self.gpus else "float32", shared, gpu)
+        if self.gpus:
+            self.engines = engines()
         self.weight_mode = "memory" if not self.gpus else ("ipc" if cfg.colocate else "nccl")
         if self.weight_mode == "nccl":
             self._init_weight_group(tp)

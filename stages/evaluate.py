@@ -199,10 +199,14 @@ def run(cfg: Config, inputs: dict, output: Path, tracker) -> None:
         gpus = cluster_gpus() > 0
         engines = start_engines(str(inputs["model"]), cfg.seed, max_len, cfg.vllm, threads, 1, gpus,
                                 engine_cls=Engine)
+        new_scorer = lambda: ray.remote(num_cpus=1, num_gpus=node_gpus())(Scorer).remote(
+            tokenizer.pad_token_id, actor_threads(1, threads, takes_turns=not gpus))
+        # On CPU the scorer's process starts while the engines generate (it loads no model until `hold`); on GPUs it
+        # waits for the engines' GPUs.
+        scorer = None if gpus else new_scorer()
         samples = generate_on(engines, prompt_ids, *sampling)
         stop_engines(engines)  # their GPUs, KV caches and cores go to the scorer
-        scorer = ray.remote(num_cpus=1, num_gpus=node_gpus())(Scorer).remote(
-            tokenizer.pad_token_id, actor_threads(1, threads, takes_turns=not gpus))
+        scorer = scorer or new_scorer()
         call = lambda method, *args, **kwargs: ray.get(getattr(scorer, method).remote(*args, **kwargs))
     else:  # one engine gives the samples of several (each request keeps its own seed: runtime/rollout.py)
         engine = Engine(str(inputs["model"]), cfg.seed, max_len, cfg.vllm, threads)
