@@ -18,21 +18,46 @@ SNAKEMAKE = str(Path(sys.executable).with_name("snakemake"))
 DAG_JOBS = 2
 
 
-def snakemake(configfile: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-    """Run the workflow as a user would, from the repository root with the local profile."""
-    proc = subprocess.run([SNAKEMAKE, "--profile", "cluster_profiles/local", *args, "--configfile", str(configfile)],
-                          cwd=REPO_ROOT, capture_output=True, text=True)
+def snakemake_command(configfile: Path, *args: str) -> list[str]:
+    """The workflow's command as a user runs it, from the repository root with the local profile."""
+    return [SNAKEMAKE, "--profile", "cluster_profiles/local", *args, "--configfile", str(configfile)]
+
+
+def checked(proc: subprocess.CompletedProcess, check: bool = True) -> subprocess.CompletedProcess:
     if check and proc.returncode != 0:
-        raise AssertionError(f"snakemake {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout[-6000:]}\n"
+        raise AssertionError(f"snakemake {' '.join(proc.args[3:-2])} failed ({proc.returncode}):\n{proc.stdout[-6000:]}\n"
                              f"{proc.stderr[-6000:]}")
     return proc
 
 
-def run_dag(configfile: Path, *args: str) -> subprocess.CompletedProcess:
+def snakemake(configfile: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    """Run the workflow as a user would; raise with its output's ends if it fails (unless not `check`)."""
+    return checked(subprocess.run(snakemake_command(configfile, *args), cwd=REPO_ROOT, capture_output=True, text=True),
+                   check)
+
+
+def dag_args(*args: str) -> tuple[str, ...]:
     """The whole DAG (`all`), two stages at a time where the DAG allows (the local profile runs one): a tiny stage
     leaves about 40% of two cores idle (process, Ray and vLLM start-up, log polling), and its results do not depend
     on what runs beside it (each stage's threads and seeds come from its config)."""
-    return snakemake(configfile, "all", "--jobs", str(DAG_JOBS), *args)
+    return "all", "--jobs", str(DAG_JOBS), *args
+
+
+def run_dag(configfile: Path, *args: str) -> subprocess.CompletedProcess:
+    return snakemake(configfile, *dag_args(*args))
+
+
+def start_dag(configfile: Path, out_dir: Path) -> subprocess.Popen:
+    """run_dag's DAG in the background, its output in `out_dir` (dag.out, dag.err); finish_dag waits for it."""
+    return subprocess.Popen(snakemake_command(configfile, *dag_args()), cwd=REPO_ROOT, stdin=subprocess.DEVNULL,
+                            stdout=(out_dir / "dag.out").open("w"), stderr=(out_dir / "dag.err").open("w"))
+
+
+def finish_dag(proc: subprocess.Popen, out_dir: Path) -> subprocess.CompletedProcess:
+    """What run_dag returns, for a DAG that start_dag started: once it has ended; raises as run_dag if it failed."""
+    proc.wait()
+    return checked(subprocess.CompletedProcess(proc.args, proc.returncode, (out_dir / "dag.out").read_text(),
+                                               (out_dir / "dag.err").read_text()))
 
 
 def planned_jobs(dry_run_stdout: str) -> dict[str, int]:

@@ -9,6 +9,7 @@ import csv
 import json
 import math
 import random
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pandas
@@ -157,10 +158,37 @@ def qwen2_run(tmp_path_factory):
                                cluster_settings=True)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def background_runs(request, tmp_path_factory):
+    """The GPT-2 run, then the RL-only run, in a thread of their own from the module's start (those that the
+    module's selected tests name), beside the Qwen2 run and the tests after it: a DAG leaves part of two cores idle
+    (stage start-ups, stretches of one stage), which the other takes. Two DAGs at once, not more: memory. Their
+    models and files are made here, in the main thread (a tiny model's weights come from torch's global seed).
+    Returns a run's result by its fixture's name, once it has ended."""
+    experiments = {"gpt2_run": (gpt2_experiment, "gpt2", "user-gpt2"),
+                   "rl_only_run": (rl_only_experiment, "rl-only", "rl-verifiable-reward")}
+    prepare = lambda name: experiments[name][0](tmp_path_factory.mktemp(experiments[name][1]) / experiments[name][2])
+    wanted = {name for item in request.session.items if item.module is request.module for name in item.fixturenames}
+    with ThreadPoolExecutor(1) as pool:
+        started = {name: pool.submit(plan_and_run, prepare(name)) for name in experiments if name in wanted}
+        yield lambda name: (started.get(name) or started.setdefault(name, pool.submit(plan_and_run, prepare(name)))
+                            ).result()
+
+
+def plan_and_run(experiment: dict) -> dict:
+    """An experiment's plan (`snakemake all --dry-run`), then its DAG run."""
+    plan = snakemake(experiment["configfile"], "all", "--dry-run").stdout
+    return experiment | run_result(experiment["root"], run_dag(experiment["configfile"])) | {"plan": plan}
+
+
 @pytest.fixture(scope="module")
-def gpt2_run(tmp_path_factory):
-    """The full RLHF chain (config/rlhf-ppo.yaml: SFT, reward model, PPO) on the user's GPT-2 base model and files."""
-    root = tmp_path_factory.mktemp("gpt2") / "user-gpt2"
+def gpt2_run(background_runs):
+    return background_runs("gpt2_run")
+
+
+def gpt2_experiment(root: Path) -> dict:
+    """The full RLHF chain (config/rlhf-ppo.yaml: SFT, reward model, PPO) on the user's GPT-2 base model and files:
+    its files, model and config."""
     files = write_user_files(root / "my_data", chat=False)
     model_dir = root / "my-gpt2"
     build_user_model(model_dir, "gpt2", files["texts"], chat=False)
@@ -174,7 +202,7 @@ def gpt2_run(tmp_path_factory):
             "variants": {"ppo": {"estimator": "gae", "n_samples": 1, "lora_rank": 4}}},
         evaluate={"models": list(GPT2_EVALUATED), "rewards": [files["reward"], "model"], "num_prompts": 16,
                   "max_new_tokens": 16})
-    return run_result(root, run_dag(configfile)) | {"files": files, "model_dir": model_dir}
+    return {"root": root, "configfile": configfile, "files": files, "model_dir": model_dir}
 
 
 @pytest.mark.parametrize("run_name, architecture, evaluated", [("qwen2_run", "Qwen2", EVALUATED),
@@ -297,18 +325,19 @@ def test_full_rlhf_chain_holds_only_its_stages(gpt2_run):
 ARITHMETIC_TEXTS = [f"{r['prompt']} {r['response']}" for r in arithmetic_rows("sft", 256, 0)]
 
 
-@pytest.fixture(scope="module")
-def rl_only_run(tmp_path_factory):
-    """config/rl-verifiable-reward.yaml on a tiny given instruct model (Mistral): the plan before the run, then the run."""
-    root = tmp_path_factory.mktemp("rl-only") / "rl-verifiable-reward"
+def rl_only_experiment(root: Path) -> dict:
+    """config/rl-verifiable-reward.yaml on a tiny given instruct model (Mistral): its model and config."""
     model_dir = root.parent / "my-mistral-instruct"
     build_user_model(model_dir, "mistral", ARITHMETIC_TEXTS, chat=True)
     overrides = {"model": {"path": str(model_dir)}, "data": {"prompts": {"max_samples": 64}},
                  "rl": {"steps": 4, "eval_prompts": 8, "learning_rate": 1.0e-3}, "evaluate": {"num_prompts": 16}}
-    configfile = shipped_config("rl-verifiable-reward", root, **overrides)
-    plan = snakemake(configfile, "all", "--dry-run").stdout
-    return run_result(root, run_dag(configfile)) | {"plan": plan, "configfile": configfile, "overrides": overrides,
-                                                     "model_dir": model_dir}
+    return {"root": root, "configfile": shipped_config("rl-verifiable-reward", root, **overrides), "overrides": overrides,
+            "model_dir": model_dir}
+
+
+@pytest.fixture(scope="module")
+def rl_only_run(background_runs):
+    return background_runs("rl_only_run")
 
 
 def test_rl_only_experiment_holds_only_its_stages(rl_only_run):
