@@ -37,6 +37,8 @@ OWN_SBATCH_OPTIONS = {"nodes": "nodes", "ntasks": "nodes", "ntasks-per-node": "n
                       "output": None, "error": None, "job-name": None, "signal": None, "open-mode": None,
                       "wrap": None, "array": None}
 
+# mem_gb when the config leaves it null: on Slurm this much; on the local executor this machine's memory.
+SLURM_DEFAULT_MEM_GB = 16
 # The least memory a stage's job may ask for, in GB (the schema's minimum of mem_gb): its Python with torch alone takes
 # about that; Slurm would kill a job of less at its first import, after the stages before it ran.
 MIN_MEM_GB = 1
@@ -80,6 +82,8 @@ def _coerce(key: str, value, source: str):
             raise bad('a string of sbatch options, e.g. "--qos=high --constraint=a100"')
         return value
     if key == "mem_gb":
+        if value is None:
+            return None  # (stage_resources: the default of the stage's executor)
         try:
             number = float(value)
         except (TypeError, ValueError):
@@ -136,6 +140,10 @@ def stage_resources(stage: str, launcher: dict, profile: dict | None = None) -> 
             resources[key], sources[key] = value, f"Snakemake resource `{key}` of rule {stage} (profile)"
     for key in RESOURCE_KEYS:
         resources[key] = _coerce(key, resources[key], sources[key])
+    if resources["mem_gb"] is None:
+        local = resources["cluster"] == "local"
+        resources["mem_gb"] = machine_memory_gb() if local else SLURM_DEFAULT_MEM_GB
+        sources["mem_gb"] += f" (null: {'this machine' if local else 'on Slurm'}, {resources['mem_gb']:g} GB)"
     resources["sbatch_options"] = parse_sbatch_extra(resources["sbatch_extra"], sources["sbatch_extra"])
     resources["ray_port"] = launcher["ray_port"]
     if resources["cluster"] == "local" and resources["nodes"] > 1:
@@ -223,18 +231,26 @@ def check_fits(stage: str, params: dict, resources: dict, sources: dict) -> None
                                 "states leave the GPUs while vLLM generates)")
 
 
+def machine_memory_gb() -> float:
+    """This machine's memory in GB (GiB, as mem_gb counts it), to a tenth, rounded down."""
+    return math.floor(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / (1 << 30) * 10) / 10
+
+
 def check_this_machine(resources: dict, sources: dict) -> None:
-    """A job of the local executor runs on this machine: no more CPUs or GPUs than it has (Ray counts what it is told,
-    so 1000 CPUs would start 1000 torch threads, and GPUs that are not there fail in the stage, hours in)."""
+    """A job of the local executor runs on this machine: no more CPUs, GPUs or memory than it has (Ray counts what it
+    is told, so 1000 CPUs would start 1000 torch threads; GPUs that are not there fail in the stage, hours in; the
+    memory plan and Ray's object store are sized from mem_gb)."""
     if resources["cluster"] != "local":
         return
     have = {("cpus_per_node", "CPUs"): len(os.sched_getaffinity(0)),
-            ("gpus_per_node", "GPUs"): len(glob.glob("/dev/nvidia[0-9]*"))}
+            ("gpus_per_node", "GPUs"): len(glob.glob("/dev/nvidia[0-9]*")),
+            ("mem_gb", "GB of memory"): machine_memory_gb()}
     for (key, what), count in have.items():
         if resources[key] > count:
-            raise LaunchConfigError(f"{sources[key]} = {resources[key]}, but this machine, where the local executor "
-                                    f"runs the job, has {count} {what}; set at most {count}, or submit to Slurm "
-                                    "(snakemake --profile slurm)")
+            null = " (or mem_gb: null, this machine's memory)" if key == "mem_gb" else ""
+            raise LaunchConfigError(f"{sources[key]} = {resources[key]:g}, but this machine, where the local executor "
+                                    f"runs the job, has {count:g} {what}; set at most {count:g}{null}, or submit to "
+                                    "Slurm (snakemake --profile slurm)")
 
 
 def _value(block: dict, dotted: str):

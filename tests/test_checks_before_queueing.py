@@ -82,8 +82,11 @@ def test_a_float_for_an_integer_is_refused(tmp_path):
      [f"launcher.cpus_per_node = 1000, but this machine, where the local executor runs the job, has {CPUS} CPUs"]),
     ({"launcher": {"stages": {"sft": {"gpus_per_node": GPUS + 2}}}},  # (sft's 2 ranks fit)
      [f"stage sft: launcher.stages.sft.gpus_per_node = {GPUS + 2}, but this machine", f"has {GPUS} GPUs"]),
+    ({"launcher": {"mem_gb": 100000}},
+     ["launcher.mem_gb = 100000, but this machine, where the local executor runs the job, has", "GB of memory",
+      "mem_gb: null"]),
 ], ids=["sft-nodes-on-local", "dpo-workers-do-not-fit", "evaluate-sbatch-extra", "rl-colocated-ranks-not-engine-gpus",
-        "more-cpus-than-this-machine", "more-gpus-than-this-machine"])
+        "more-cpus-than-this-machine", "more-gpus-than-this-machine", "more-memory-than-this-machine"])
 def test_resource_errors_of_any_stage_are_refused(tmp_path, overrides, fragments):
     output = refused(tmp_path, **overrides)
     assert "jobs the launcher would refuse" in output and "bad.yaml" in output, output[-3000:]

@@ -39,6 +39,16 @@ def test_profile_values_arrive_as_strings_and_are_checked():
     assert "--nodes=2" in sbatch_flags(res) and "--requeue" in sbatch_flags(res)
 
 
+def test_memory_left_null_is_16_gb_on_slurm_and_this_machines_locally():
+    meminfo = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+    machine_gb = int(meminfo["MemTotal"].split()[0]) / (1 << 20)  # (kB)
+    local, sources = stage_resources("sft", launcher())
+    assert machine_gb - 1 < local["mem_gb"] <= machine_gb and "null: this machine" in sources["mem_gb"]
+    on_slurm, sources = stage_resources("sft", launcher(), {"cluster": "slurm"})
+    assert on_slurm["mem_gb"] == 16 and "--mem=16GB" in sbatch_flags(on_slurm) and "null: on Slurm" in sources["mem_gb"]
+    assert stage_resources("sft", launcher(mem_gb=3), {"cluster": "slurm"})[0]["mem_gb"] == 3
+
+
 @pytest.mark.parametrize("profile, fragments", [
     ({"nodes": "two"}, ["nodes", "of rule sft", "'two'", "whole number >= 1"]),
     ({"cluster": "kubernetes"}, ["cluster", "'kubernetes'", "local", "slurm"]),
