@@ -1,5 +1,5 @@
 """The datasets of an experiment: the user's (a JSONL, Parquet or CSV file, a `datasets` save_to_disk directory, or
-a hub dataset with a split), loaded with Hugging Face `datasets`, and every row checked.
+a hub dataset with a split), and every row checked.
 
 Each role names its keys in the config (data.sft, data.preference, data.prompts, data.eval; schema for details):
   sft         input_key + output_key, or messages_key (a chat whose last message is the assistant's reply)
@@ -8,8 +8,8 @@ Each role names its keys in the config (data.sft, data.preference, data.prompts,
   eval        as prompts; output_key (optional): a reference response
 `check_datasets` runs in the Snakefile, before any job is queued, and names every bad row (up to 20) with its file
 and line; it reads a file a batch at a time (pyarrow for CSV, Parquet and save_to_disk directories), never writing to
-the Hugging Face cache. `load_records` is what the preprocess stage reads. Light at import: `datasets` loads only
-when needed.
+the Hugging Face cache. `load_records` is what the preprocess stage reads: a local file as the check read it, a hub
+dataset with `datasets` (imported only then).
 """
 import codecs
 import csv
@@ -56,17 +56,14 @@ def is_hub(path: str) -> bool:
 
 
 def load_records(spec: dict) -> list[dict]:
-    """The rows of a user dataset (spec: a data.<role> block), the first `max_samples` of them. Whether a hub dataset
-    may be downloaded is the job's environment's to say (runtime/job.set_job_env); a local one asks the hub nothing."""
+    """The rows of a user dataset (spec: a data.<role> block), the first `max_samples` of them. A local one is read
+    as check_datasets read it before queueing (local_rows: no more rows than it takes, nothing written to the
+    Hugging Face cache); whether a hub dataset may be downloaded is the job's environment's to say
+    (runtime/job.set_job_env)."""
+    if not is_hub(spec["path"]):
+        return list(itertools.islice(local_rows(spec), spec["max_samples"]))
     import datasets
-    path = repo_path(spec["path"])
-    if path.is_dir():
-        loaded = datasets.load_from_disk(str(path))
-        table = loaded[spec["split"]] if isinstance(loaded, datasets.DatasetDict) else loaded
-    elif path.suffix in FORMATS:
-        table = datasets.load_dataset(FORMATS[path.suffix], data_files=str(path), split="train")
-    else:  # a hub dataset: from the `datasets` cache, or downloaded where launcher.hub_downloads allows
-        table = datasets.load_dataset(spec["path"], split=spec["split"])
+    table = datasets.load_dataset(spec["path"], split=spec["split"])
     return table.select(range(min(len(table), spec["max_samples"]))).to_list()
 
 

@@ -116,7 +116,8 @@ def test_line_separators_inside_json_strings_are_text(tmp_path):
 def test_csv_parquet_and_saved_rows_are_read_in_batches_without_datasets(tmp_path, monkeypatch):
     """A CSV (over pyarrow's 1 MB block), a Parquet file (over its 1024-row batch) and a save_to_disk directory are
     checked a batch at a time with pyarrow: `datasets`, whose load_dataset copies a file into ~/.cache/huggingface,
-    is not imported, and a row past the first batch keeps its line (CSV) or row number."""
+    is not imported, and a row past the first batch keeps its line (CSV) or row number. The preprocess stage's
+    load_records reads them the same way, and only the rows it keeps."""
     import datasets
     rows = [{"prompt": f"Say the number {i} please.", "label": str(i)} for i in range(60_000)]
     rows[59_000]["prompt"] = None
@@ -138,6 +139,9 @@ def test_csv_parquet_and_saved_rows_are_read_in_batches_without_datasets(tmp_pat
     assert len(pyarrow_rows) == 3000 and pyarrow_rows[2500] == rows[2500]
     user_data.check_datasets(data_block(prompts={"path": str(parquet), "label_key": "label"}),
                              tmp_path / "checked.json")
+    load = lambda path, count: user_data.load_records({"path": str(path), "split": "train", "max_samples": count})
+    assert load(parquet, 5) == rows[:5] and load(tmp_path / "saved", 3) == rows[58_990:58_993]
+    assert [row["prompt"] for row in load(tmp_path / "p.csv", 4)] == [row["prompt"] for row in rows[:4]]
 
 
 def test_a_checked_file_is_not_read_again_until_it_changes(tmp_path, monkeypatch):
