@@ -5,7 +5,8 @@ with nothing in its log. `StallWatch` runs beside the stage's driver: every fini
 stage's own `beat`) is progress. When none comes for the watch's limit (launcher.stall_min, or STEP_FACTOR times the
 slowest step so far where that is longer: a stage whose steps take an hour is not stalled after 30 minutes), it
 prints the Python stacks of the driver's threads and of every Python process the job started on this node (Ray's
-actors included; py-spy), then fails the stage with the job id and the place the driver waits. The launcher submits
+actors included; py-spy) and, in a multi-node job, those of the other nodes (runtime/ray_cluster.py asks their tasks
+for them), then fails the stage with the job id and the place the driver waits. The launcher submits
 a stalled stage once more where launcher.requeue_stalled allows it (launcher/submit.py).
 """
 import contextlib
@@ -13,6 +14,7 @@ import faulthandler
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -53,6 +55,17 @@ class StageStalled(BaseException):
 
 
 _watch = None  # the StallWatch of the stage running in this process, if any
+_stall_hooks: list = []  # what a stalled watch runs after dumping this node's stacks (`on_stall`)
+
+
+@contextlib.contextmanager
+def on_stall(hook):
+    """Within this context a stall also runs `hook()` before the stage is failed (the other nodes' stacks)."""
+    _stall_hooks.append(hook)
+    try:
+        yield
+    finally:
+        _stall_hooks.remove(hook)
 
 
 def beat(what: str, step: bool = False) -> None:
@@ -120,8 +133,10 @@ class StallWatch:
                         f"progress: {self.last_what}; the driver waits at {where}. Every process's Python stacks are "
                         "in the job's log above this line")
         print(f"\n[alignpipe] {self.run_name}: no progress for {idle / 60:.2f} min; the Python stacks of the driver's "
-              f"threads and of the job's processes on this node follow", flush=True)
+              f"threads and of the job's processes on each node follow", flush=True)
         dump_stacks()
+        for hook in list(_stall_hooks):
+            hook()
         print(f"{STALL_MARK} {self.message}", flush=True)
         signal.pthread_kill(self._main, signal.SIGUSR1)  # interrupts a blocking call of the main thread
         if not self._over.wait(self.grace_s):
@@ -147,17 +162,22 @@ def dump_stacks() -> None:
     sys.stdout.flush()
     print("--- Python stacks of the driver (this process) ---", flush=True)
     faulthandler.dump_traceback(file=sys.stdout, all_threads=True)
+    process_stacks(os.getpid(), sys.stdout)
+
+
+def process_stacks(root: int, out) -> None:
+    """Write the stacks of the Python processes below `root` to `out` (py-spy)."""
     spy = shutil.which("py-spy", path=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
-    for pid in python_descendants(os.getpid()):
+    for pid in python_descendants(root):
         cmdline = _cmdline(pid)
-        print(f"--- Python stacks of process {pid}: {cmdline[:200]} ---", flush=True)
+        print(f"--- Python stacks of process {pid} on {socket.gethostname()}: {cmdline[:200]} ---", file=out, flush=True)
         if spy is None:
-            print("(py-spy is not installed: `pip install py-spy` to see them)", flush=True)
+            print("(py-spy is not installed: `pip install py-spy` to see them)", file=out, flush=True)
             break
         with contextlib.suppress(subprocess.TimeoutExpired, OSError):
             done = subprocess.run([spy, "dump", "--pid", str(pid)], capture_output=True, text=True,
                                   timeout=DUMP_TIMEOUT_S, stdin=subprocess.DEVNULL)
-            print((done.stdout + done.stderr).strip(), flush=True)
+            print((done.stdout + done.stderr).strip(), file=out, flush=True)
 
 
 def python_descendants(root: int) -> list[int]:

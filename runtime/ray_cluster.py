@@ -27,6 +27,7 @@ Locked down (issue #17):
 """
 import contextlib
 import dataclasses
+import io
 import ipaddress
 import os
 import secrets
@@ -40,6 +41,8 @@ import time
 import zlib
 from pathlib import Path
 
+from runtime.progress import on_stall, process_stacks
+
 # Offsets from the base port: one fixed port per Ray service, so nodes on a shared host never collide. The metrics
 # agent's gRPC port (--dashboard-agent-grpc-port) and --metrics-export-port are left to Ray (0): with the minimal Ray
 # these environments install no agent serves metrics, and a fixed port makes the GCS, raylet and every worker retry
@@ -50,6 +53,8 @@ AUTOSCALER_METRICS_PORT = 7  # the head's autoscaler serves metrics on 44217 unl
 WORKER_PORTS = (10, 99)
 JOIN_TIMEOUT_S = 300      # how long the head waits for every node, and a worker for the head
 WORKER_ATTEMPTS = 3       # `ray start --address` tries per worker
+STALL_REQUEST = "stalled"  # the file task 0 of a stalled multi-node job puts into the tasks' shared folder
+NODE_STACKS_TIMEOUT_S = 120  # how long task 0 waits for the other nodes' stacks
 HEAD_MISSES = 3           # a worker leaves after this many failed checks (2 s apart) of the head's port
 LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": Ray keeps 127.0.0.1 instead of the host's address
 
@@ -180,7 +185,7 @@ def job_token(job_env, rank: int, num_nodes: int, restart: int) -> tuple[str, Pa
     """
     if num_nodes == 1:
         return secrets.token_hex(32), None
-    folder = Path(job_env.paths.folder) / f".ray-auth-{job_env.job_id}-{restart}"
+    folder = shared_folder(job_env, restart)
     path = folder / "token"
     if rank == 0:
         folder.mkdir(mode=0o700, exist_ok=True)
@@ -203,6 +208,37 @@ def job_token(job_env, rank: int, num_nodes: int, restart: int) -> tuple[str, Pa
         raise RuntimeError(f"{path} must belong to this user and be readable by it alone (mode "
                            f"{oct(st.st_mode & 0o777)}); not using it")
     return path.read_text().strip(), None
+
+
+def shared_folder(job_env, restart: int) -> Path:
+    """The folder a multi-node job attempt's tasks share (in the job's submitit folder): its Ray token, and a stalled
+    stage's request for the other nodes' stacks and their answers."""
+    return Path(job_env.paths.folder) / f".ray-auth-{job_env.job_id}-{restart}"
+
+
+def ask_nodes_for_stacks(folder: Path, ranks, timeout_s: float = NODE_STACKS_TIMEOUT_S) -> None:
+    """Task 0 of a stalled multi-node job: ask the other tasks for the Python stacks of their nodes' processes (they
+    watch for the request while they serve, `_serve_until_head_leaves`) and print each node's into this log."""
+    (folder / STALL_REQUEST).touch()
+    deadline = time.monotonic() + timeout_s
+    for rank in ranks:
+        answer = folder / f"stacks-{rank}.txt"
+        while not answer.exists() and time.monotonic() < deadline:
+            time.sleep(1)
+        print(f"--- the processes of task {rank}'s node ---", flush=True)
+        print(answer.read_text() if answer.exists() else f"(task {rank} did not answer within {timeout_s:.0f} s; its "
+              "own log may hold them)", flush=True)
+
+
+def answer_stall_request(folder: Path, rank: int, root: int) -> None:
+    """Another task of a stalled job: the stacks of the Python processes below `root` (this task's: its Ray node's
+    workers) for task 0, whole or not at all, and into this task's own log."""
+    stacks = io.StringIO()
+    process_stacks(root, stacks)
+    partial = folder / f"stacks-{rank}.txt.partial"
+    partial.write_text(stacks.getvalue())
+    partial.rename(folder / f"stacks-{rank}.txt")
+    print(f"[ray] task {rank}: task 0 reported a stall; this node's Python stacks:\n{stacks.getvalue()}", flush=True)
 
 
 def interface_of(ip: str) -> str:
@@ -278,8 +314,9 @@ def ray_cluster(job_env, res: dict):
     try:
         token, token_dir = job_token(job_env, rank, num_nodes, restart)
         env = ray_env(token, loopback=_is_loopback(my_ip) and num_nodes == 1, port=port, interface=interface_of(my_ip))
+        shared = shared_folder(job_env, restart) if num_nodes > 1 else None
         with _driver_env(env) if rank == 0 else contextlib.nullcontext():
-            yield from _run_node(info, head_ip, head_address, port, res, private_dir, env, token_dir)
+            yield from _run_node(info, head_ip, head_address, port, res, private_dir, env, token_dir, shared)
     finally:
         shutil.rmtree(private_dir, ignore_errors=True)
         if token_dir is not None:
@@ -287,8 +324,9 @@ def ray_cluster(job_env, res: dict):
 
 
 def _run_node(info: RayNodeInfo, head_ip: str, head_address: str, port: int, res: dict, private_dir: Path,
-              env: dict, token_dir: Path | None):
-    """The body of `ray_cluster`: start this task's node (with its watchdog), join, yield, stop."""
+              env: dict, token_dir: Path | None, shared: Path | None):
+    """The body of `ray_cluster`: start this task's node (with its watchdog), join, yield, stop. `shared`: the
+    folder of a multi-node job's tasks, through which a stall watch on task 0 asks the others for their stacks."""
     import ray
     rank, num_nodes, my_ip = info.rank, info.num_nodes, info.ip
     log_path = private_dir / "ray-start.log"
@@ -327,9 +365,11 @@ def _run_node(info: RayNodeInfo, head_ip: str, head_address: str, port: int, res
             info.nodes = wait_for_nodes(num_nodes, proc, log_path)
             shown = ", ".join(f"{n['hostname']} {n['ip']} ({n['cpus']:g} CPU, {n['gpus']:g} GPU)" for n in info.nodes)
             print(f"[ray] cluster up: {len(info.nodes)} node(s): {shown}", flush=True)
-            yield info
+            with on_stall(lambda: ask_nodes_for_stacks(shared, range(1, num_nodes))) if shared else \
+                    contextlib.nullcontext():
+                yield info
         else:
-            _serve_until_head_leaves(proc, head_ip, port, log_path)
+            _serve_until_head_leaves(proc, head_ip, port, log_path, shared, rank)
             yield info
     finally:
         if rank == 0 and ray.is_initialized():
@@ -409,10 +449,15 @@ def wait_for_nodes(expected: int, proc: subprocess.Popen | None = None, log_path
         time.sleep(1)
 
 
-def _serve_until_head_leaves(proc: subprocess.Popen, head_ip: str, port: int, log_path: Path) -> None:
-    """A worker keeps its node alive until the head goes away (the driver finished, failed or was stopped)."""
-    misses = 0
+def _serve_until_head_leaves(proc: subprocess.Popen, head_ip: str, port: int, log_path: Path,
+                             shared: Path | None = None, rank: int = 0) -> None:
+    """A worker keeps its node alive until the head goes away (the driver finished, failed or was stopped); it
+    answers a stall watch's request for its node's stacks (`ask_nodes_for_stacks`) once."""
+    misses, answered = 0, False
     while misses < HEAD_MISSES:
+        if shared is not None and not answered and (shared / STALL_REQUEST).exists():
+            answer_stall_request(shared, rank, os.getpid())
+            answered = True
         if proc.poll() is not None:
             if _head_alive(head_ip, port):
                 raise RuntimeError(f"the Ray worker exited (code {proc.returncode}) while the head is up; "

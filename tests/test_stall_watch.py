@@ -42,9 +42,36 @@ def test_the_limit_grows_with_the_slowest_step():
     assert stall_limit(1800, 600) == STEP_FACTOR * 600
 
 
+# Task 1 of a multi-node job, as runtime/ray_cluster.py runs it: it serves its Ray node (here a Python child that
+# waits) until the head's port closes, and answers task 0's request for its node's stacks.
+TASK_1 = """
+import subprocess, sys
+from pathlib import Path
+from runtime.ray_cluster import _serve_until_head_leaves
+node = subprocess.Popen([sys.executable, "-c", "import time\\ndef node_actor_waits(): time.sleep(600)\\nnode_actor_waits()"])
+try:
+    _serve_until_head_leaves(node, "127.0.0.1", int(sys.argv[1]), Path("/dev/null"), Path(sys.argv[2]), rank=1)
+finally:
+    node.kill()
+"""
+
+
 def test_a_stalled_driver_fails_with_its_stacks_the_place_and_the_job_id(tmp_path):
-    # The stage's Python child (as Ray's actors are) waits too: its stack is in the dump as well.
-    done = run_watched(tmp_path, """
+    # The stage's Python child (as Ray's actors are) waits too: its stack is in the dump as well. So does the node of
+    # the job's task 1, whose stacks come through the tasks' shared folder (ray_cluster.ask_nodes_for_stacks).
+    (tmp_path / "task1.py").write_text(TASK_1)
+    (tmp_path / "shared").mkdir()
+    done = run_watched(tmp_path, f"""
+        import socket
+        from pathlib import Path
+        from runtime.progress import on_stall
+        from runtime.ray_cluster import ask_nodes_for_stacks
+        head = socket.create_server(("127.0.0.1", 0))
+        subprocess.Popen([sys.executable, "{tmp_path / 'task1.py'}", str(head.getsockname()[1]), "{tmp_path / 'shared'}"],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        other_nodes = on_stall(lambda: ask_nodes_for_stacks(Path("{tmp_path / 'shared'}"), [1, 2], timeout_s=10))
+        other_nodes.__enter__()
+        """ + """
         def stuck():
             child = subprocess.Popen([sys.executable, "-c", "import time\\ndef actor_waits(): time.sleep(600)\\nactor_waits()"])
             try:
@@ -65,6 +92,10 @@ def test_a_stalled_driver_fails_with_its_stacks_the_place_and_the_job_id(tmp_pat
     assert f'File "{script}", line' in driver and "stuck" in driver
     child = out[out.index("--- Python stacks of process"):]
     assert "actor_waits" in child, child[:2000]
+    task_1 = out[out.index("--- the processes of task 1's node ---"):out.index("--- the processes of task 2's node")]
+    assert "node_actor_waits (<string>:2)" in task_1, task_1[:3000]  # its frame, as py-spy shows it
+    assert "(task 2 did not answer within 10 s" in out  # (a task that never answers: task 0 goes on)
+    assert out.index("did not answer") < out.index(STALL_MARK)
 
 
 def test_a_driver_that_cannot_be_interrupted_exits_after_the_grace(tmp_path):
@@ -142,7 +173,7 @@ def test_a_reward_function_that_hangs_in_an_rl_stage_is_caught(tiny_run, tmp_pat
     assert STAGE_LIMIT_MIN <= idle <= STAGE_LIMIT_MIN + 0.25, message
     stacks = log.read_text()
     assert f'File "{reward}", line' in stacks  # the driver's
-    assert re.search(r"--- Python stacks of process \d+: ray::PolicyWorker", stacks)  # an actor's, with py-spy
+    assert re.search(r"--- Python stacks of process \d+ on \S+: ray::PolicyWorker", stacks)  # an actor's, with py-spy
     # the terminal: the message, then the launcher's report with the job id and its log
     assert STALL_MARK in out
     assert re.search(r"stage rl/grpo/seed0 failed: job \d+, state \w+, log " + re.escape(str(log)), out), out[-3000:]
