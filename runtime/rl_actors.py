@@ -191,11 +191,22 @@ class Roles:
         actors = cfg.num_workers * (1 + wants_critic) + cfg.frozen_ranks * (1 + wants_reward) + cfg.vllm["num_engines"]
         cpu_share = min(ROLE_CPUS, int(100 * ray.cluster_resources().get("CPU", 1) / actors) / 100)
         cpus = 1 if not cfg.colocate else 0 if shared else cpu_share
-        start = lambda cls, c: trainer.start_workers(cls, c, inputs["model"], total_train_steps, tracker,
-                                                     cpus_per_actor=cpus, gpus_per_actor=gpu, shared=shared)
         # The frozen models' and engines' torch threads: the CPUs each reserves, or the job's where roles take turns.
         role_threads = actor_threads(cpus, threads, takes_turns=cfg.colocate and not self.gpus)
-        engines = lambda: start_engines(policy_dir, cfg.seed, max_len, cfg.vllm, role_threads, cpus, self.gpus,
+        trainer_threads = None  # (start_workers: the job's CPUs over the ranks)
+        engine_threads = role_threads
+        if cfg.async_rollouts and cfg.colocate and not self.gpus:
+            # The engines generate while the others score and train: they split the job's cores (the engines half)
+            # instead of each taking all of them, which would run both phases at a fraction of their speed.
+            engine_threads = max(1, threads // 2)
+            role_threads = max(1, threads - engine_threads)
+            trainer_threads = max(1, role_threads // cfg.num_workers)
+            print(f"[rl] asynchronous rollouts on {threads} CPU threads: the vLLM engines take {engine_threads}, the "
+                  f"trainers and scorers {role_threads}", flush=True)
+        start = lambda cls, c: trainer.start_workers(cls, c, inputs["model"], total_train_steps, tracker,
+                                                     cpus_per_actor=cpus, gpus_per_actor=gpu, shared=shared,
+                                                     threads=trainer_threads)
+        engines = lambda: start_engines(policy_dir, cfg.seed, max_len, cfg.vllm, engine_threads, cpus, self.gpus,
                                         model_dtype(cfg.precision) if self.gpus else "float32", shared, gpu)
         # On CPU the engines start first (start_engines does not wait for them): vLLM's start-up runs while the
         # trainers and scorers load. On GPUs they start last, so that the trainers' GPUs are reserved as planned.

@@ -7,6 +7,7 @@ its own seed, so the samples do not depend on the number of engines. After the t
 over in memory (runtime/weight_sync.py), through methods vLLM adds to its workers (weight_sync.WorkerExtension).
 """
 import random
+import warnings
 
 import ray
 import torch
@@ -154,8 +155,13 @@ class VLLMEngine:
                  for c in out.outputs] for out in outputs]
 
     # The weight hand-over (runtime/weight_sync.py), then `finish_weight_update`.
-    def load_weights(self, weights: list) -> None:
-        """In memory (CPU): reload every weight in place from (name, tensor) pairs."""
+    def load_weights(self, stored: list) -> None:
+        """In memory (CPU): reload every weight in place from (name, dtype, shape, NumPy array of its bytes), the
+        arrays read in Ray's object store without a copy (weight_sync.send_weights)."""
+        with warnings.catch_warnings():  # (read-only arrays: vLLM only copies them into its own parameters)
+            warnings.filterwarnings("ignore", "The given NumPy array is not writable")
+            weights = [(name, torch.from_numpy(array).view(getattr(torch, dtype)).view(shape))
+                       for name, dtype, shape, array in stored]
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         self.finish_weight_update()
 

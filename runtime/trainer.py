@@ -50,11 +50,13 @@ def shard(rows: list, world_size: int, micro_batch_size: int) -> list[list[list]
 
 
 def start_workers(worker_cls, cfg: TrainerConfig, model_dir: Path, total_steps: int, tracker,
-                  cpus_per_actor: float = 1, gpus_per_actor: float | None = None, shared=None) -> ActorGroup:
+                  cpus_per_actor: float = 1, gpus_per_actor: float | None = None, shared=None,
+                  threads: int | None = None) -> ActorGroup:
     """An ActorGroup of `worker_cls` ranks, each set up with the stage's Config `cfg` and its DeepSpeed engine
     built; where they run goes to `tracker`. Each rank gets one GPU where the cluster has GPUs (`gpus_per_actor`
-    None), or the share given (roles colocated in `shared`)."""
-    threads = max(1, int(ray.cluster_resources().get("CPU", 1)) // cfg.num_workers)
+    None), or the share given (roles colocated in `shared`), and `threads` torch threads (None: the cluster's
+    CPUs over the ranks)."""
+    threads = threads or max(1, int(ray.cluster_resources().get("CPU", 1)) // cfg.num_workers)
     if gpus_per_actor is None:
         gpus_per_actor = 1 if cluster_gpus() else 0
     group = ActorGroup(worker_cls, cfg.num_workers, cpus_per_actor=cpus_per_actor, gpus_per_actor=gpus_per_actor,

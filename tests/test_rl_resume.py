@@ -53,6 +53,8 @@ def test_interrupted_rl_run_resumes_and_matches_a_straight_run(tiny_run, tmp_pat
 
     log_text = job.stdout()
     assert "interrupted (timeout or preemption); requeueing" in log_text
+    # the job's 2 cores split: the engine generates while the trainers train
+    assert "[rl] asynchronous rollouts on 2 CPU threads: the vLLM engines take 1, the trainers and scorers 1" in log_text
     resumed = [int(line.rsplit(" ", 1)[1]) for line in log_text.splitlines()
                if line.startswith("[rl] resumed from checkpoint at step")]
     assert resumed and resumed[0] >= EVERY and resumed[0] % EVERY == 0, log_text[-3000:]
