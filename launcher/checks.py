@@ -68,7 +68,7 @@ def check_output_dirs(config: dict, source: str) -> None:
     if config["experiment"] in RESULTS_FILES:
         raise ConfigError(f"{source}: experiment = {config['experiment']!r} is the name of a file of results_dir "
                           f"itself ({', '.join(RESULTS_FILES)}); choose another name")
-    chosen = [("results_dir", config["results_dir"], ("mlflow.db", "mlartifacts", config["experiment"])),
+    chosen = [("results_dir", config["results_dir"], (*RESULTS_FILES, config["experiment"])),  # (bench: the benches')
               ("launcher.checkpoint_dir", config["launcher"]["checkpoint_dir"], (config["experiment"],))]
     for key, value, alignpipes in chosen:
         if value is None:

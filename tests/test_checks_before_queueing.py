@@ -484,6 +484,9 @@ def test_a_results_directory_alignpipe_wrote_is_taken_and_home_is_expanded(tmp_p
     (marked / "other-experiment").mkdir()
     (marked / ".alignpipe-results").touch()
     check_output_dirs(validate_config({"results_dir": str(marked)}), "test")
+    benched = tmp_path / "benched"  # what `make bench-grpo` leaves in results/ before any experiment ran
+    (benched / "bench" / "smollm2-135m-instruct").mkdir(parents=True)
+    check_output_dirs(validate_config({"results_dir": str(benched)}), "test")
     monkeypatch.setenv("HOME", str(tmp_path))
     config = validate_config({"results_dir": "~/alignpipe-results", "launcher": {"checkpoint_dir": "~/ckpt"}})
     assert config["results_dir"] == str(tmp_path / "alignpipe-results")
