@@ -68,7 +68,8 @@ def check_output_dirs(config: dict, source: str) -> None:
     if config["experiment"] in RESULTS_FILES:
         raise ConfigError(f"{source}: experiment = {config['experiment']!r} is the name of a file of results_dir "
                           f"itself ({', '.join(RESULTS_FILES)}); choose another name")
-    chosen = [("results_dir", config["results_dir"], (*RESULTS_FILES, config["experiment"])),  # (bench: the benches')
+    # what alignpipe writes into each directory itself (results_dir: RESULTS_FILES, the benches' models among them)
+    chosen = [("results_dir", config["results_dir"], (*RESULTS_FILES, config["experiment"])),
               ("launcher.checkpoint_dir", config["launcher"]["checkpoint_dir"], (config["experiment"],))]
     for key, value, alignpipes in chosen:
         if value is None:

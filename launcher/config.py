@@ -570,7 +570,7 @@ def deep_merge(base: dict, update: dict) -> dict:
 
 # Says that a directory is alignpipe's: results_dir and launcher.checkpoint_dir must be new, empty or marked by it.
 RESULTS_MARKER = ".alignpipe-results"
-# Files of results_dir itself: no experiment may take their names.
+# Files alignpipe writes into results_dir itself (bench: the benches' models): no experiment may take their names.
 RESULTS_FILES = ("mlflow.db", "mlartifacts", "bench", RESULTS_MARKER)
 
 
