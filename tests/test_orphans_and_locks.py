@@ -257,7 +257,7 @@ def test_the_terminal_gets_the_log_without_the_lines_that_ask_nothing(capsys):
            "(SFTWorker pid=3, ip=10.0.0.2) /x/c10d_logger.py:83: FutureWarning: `torch.distributed.all_gather_into_"
            "tensor` is deprecated.\n"
            "(SFTWorker pid=3, ip=10.0.0.2)   return func(*args, **kwargs)\n"
-           "WARNING 12-02 [layerwise.py:266] ParallelLMHead: Failed to load weights\n"
+           "INFO 12-02 [cpu_worker.py:140] NUMA binding: Using MEMBIND policy\n"
            "ERROR something the user must see\n"
            "  an indented line of the stage's own\n"
            "[sft] step 2/1")
