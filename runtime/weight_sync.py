@@ -152,9 +152,10 @@ def register_cpu_loader() -> None:
     layer from scratch, and then misses the kernel of an LM head tied to the embeddings (nothing is loaded into it;
     its log-probs drift from the trainer's: tests/test_weight_sync.py). Loaded this way the layers keep their
     weights (vLLM's own mark for layers it leaves unpacked, `_cpu_skip_gemm_dispatch`) as well as their packed
-    kernels: a sync is a copy into the weights and a repack of every kernel (`load_cpu_weights`; 0.04 s and 0.12 s
-    for 135M parameters on 2 cores, against 0.37 s for the reload), generation runs the same kernels as before, and
-    the engine holds its weights twice."""
+    kernels: a sync is a copy into the weights and a repack of every kernel (`load_cpu_weights`; 0.07 s and ~0.2 s
+    for 135M parameters on 2 cores, where the reload took ~0.38 s), generation runs the same kernels as before, and
+    the engine holds its weights twice. (Should vLLM stop honouring the mark, the first sync fails on an emptied
+    weight: tests/test_weight_sync.py.)"""
     import dataclasses
     from vllm.model_executor.model_loader import DefaultModelLoader, register_model_loader
 
