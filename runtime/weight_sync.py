@@ -121,17 +121,16 @@ class WorkerExtension:
         self.model_runner.model.load_weights(weights=[(name, tensor)])
         torch.cuda.synchronize()
 
-    def load_cpu_weights(self, weights: list) -> int:
+    def load_cpu_weights(self, weights: list) -> None:
         """CPU engines (loaded with CPU_LOAD_FORMAT): copy each (name, tensor) into the weight of the layer that holds
         it, through the model's own loader (which maps Hugging Face names and stacks q/k/v and gate/up), then repack
-        the layers' kernels. Returns the count of tensors loaded; refuses a hand-over that leaves a parameter out."""
+        the layers' kernels. Refuses a hand-over that leaves a parameter out."""
         model = self.model_runner.get_model()
         loaded = model.load_weights(weights)
         missing = {name for name, _ in model.named_parameters()} - set(loaded)
         if missing:
             raise RuntimeError(f"weight sync left {len(missing)} of vLLM's parameters unloaded: {sorted(missing)[:5]}")
         pack_cpu_gemm(model)
-        return len(loaded)
 
 
 def pack_cpu_gemm(model) -> None:
