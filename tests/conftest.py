@@ -38,45 +38,6 @@ def tiny_run(tiny_dag):
             "mlflow_uri": f"sqlite:///{root / 'results' / 'mlflow.db'}"}
 
 
-def pytest_collection_modifyitems(items):
-    """tests/test_user_experiment.py's tests last (the others in their order): the user-experiment DAGs they read run
-    beside every test before them (user_experiments)."""
-    items.sort(key=lambda item: item.path.name == "test_user_experiment.py")
-
-
-USER_RUNS = ("qwen2_run", "given_run", "gpt2_run", "rl_only_run")  # tests/user_experiments.py's
-
-
-@pytest.fixture(scope="session")
-def wanted_user_runs(request) -> set[str]:
-    """The user-experiment runs that the session's tests read: named as fixtures, or as a parameter of a test that
-    asks for its fixture by name (request.getfixturevalue)."""
-    wanted = set()
-    for item in request.session.items:
-        params = item.callspec.params.values() if hasattr(item, "callspec") else ()
-        wanted.update(name for name in USER_RUNS if name in item.fixturenames or name in params)
-    return wanted
-
-
-@pytest.fixture(scope="session")
-def user_experiments(wanted_user_runs, tmp_path_factory):
-    """The user-experiment DAGs that the session's tests read (tests/user_experiments.py), started with the first
-    test after the Slurm scenario (user_experiments_after_slurm): they run beside the tests up to
-    tests/test_user_experiment.py, which leave a quarter to most of two cores idle, and below them (niced), so that
-    those tests' timers see little of them. Returns `result(name)`, which waits for a run's end."""
-    from user_experiments import started
-    with started(wanted_user_runs, tmp_path_factory.mktemp) as result:
-        yield result
-
-
-@pytest.fixture(autouse=True)
-def user_experiments_after_slurm(request, wanted_user_runs):
-    """Starts user_experiments with the session's first test outside tests/slurm (whose Slurm scenario leaves no core
-    idle), where a test of the session reads them."""
-    if wanted_user_runs and request.node.path.parent.name != "slurm":
-        request.getfixturevalue("user_experiments")
-
-
 @pytest.hookimpl(trylast=True)
 def pytest_terminal_summary(terminalreporter):
     """Where the run's time went, per test file (setup, call and teardown; a shared fixture counts in the file that

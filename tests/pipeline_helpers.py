@@ -25,8 +25,7 @@ def snakemake_command(configfile: Path, *args: str) -> list[str]:
 
 def checked(proc: subprocess.CompletedProcess, check: bool = True) -> subprocess.CompletedProcess:
     if check and proc.returncode != 0:
-        args = proc.args[proc.args.index(SNAKEMAKE) + 3:-2]  # (after a `nice -n N` too)
-        raise AssertionError(f"snakemake {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout[-6000:]}\n"
+        raise AssertionError(f"snakemake {' '.join(proc.args[3:-2])} failed ({proc.returncode}):\n{proc.stdout[-6000:]}\n"
                              f"{proc.stderr[-6000:]}")
     return proc
 
@@ -48,13 +47,10 @@ def run_dag(configfile: Path, *args: str) -> subprocess.CompletedProcess:
     return snakemake(configfile, *dag_args(*args))
 
 
-def start_dag(configfile: Path, out_dir: Path, niceness: int = 0) -> subprocess.Popen:
-    """run_dag's DAG in the background (its every process at `niceness`), its output in `out_dir` (dag.out, dag.err);
-    finish_dag waits for it."""
-    nice = ["nice", "-n", str(niceness)] if niceness else []
-    return subprocess.Popen([*nice, *snakemake_command(configfile, *dag_args())], cwd=REPO_ROOT,
-                            stdin=subprocess.DEVNULL, stdout=(out_dir / "dag.out").open("w"),
-                            stderr=(out_dir / "dag.err").open("w"))
+def start_dag(configfile: Path, out_dir: Path) -> subprocess.Popen:
+    """run_dag's DAG in the background, its output in `out_dir` (dag.out, dag.err); finish_dag waits for it."""
+    return subprocess.Popen(snakemake_command(configfile, *dag_args()), cwd=REPO_ROOT, stdin=subprocess.DEVNULL,
+                            stdout=(out_dir / "dag.out").open("w"), stderr=(out_dir / "dag.err").open("w"))
 
 
 def finish_dag(proc: subprocess.Popen, out_dir: Path) -> subprocess.CompletedProcess:

@@ -8,18 +8,117 @@ Each run goes through the real parts."""
 import csv
 import json
 import math
+import random
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import pandas
 import pytest
 import yaml
+from mlflow.tracking import MlflowClient
+from transformers import AutoTokenizer
 
-from launcher.config import deep_merge, load_config_files, report_params
-from pipeline_helpers import planned_jobs, planned_outputs, snakemake
+from launcher.config import REPO_ROOT, deep_merge, load_config_files, report_params
+from pipeline_helpers import planned_jobs, planned_outputs, run_dag, snakemake, write_config
+from runtime.builtin_data import arithmetic_rows
+from runtime.models import build_tiny
 from stages.report import Config as ReportConfig, describe_experiment
-from user_experiments import EVALUATED, GPT2_EVALUATED, TINY_TRAINER, WORDS, shipped_config
 
 pytestmark = pytest.mark.e2e
-# The runs these tests read start when the Slurm scenario ends (tests/conftest.py, tests/user_experiments.py).
+WORDS = ("apple pear plum grape lemon melon cherry peach mango olive bread cheese honey pepper onion carrot "
+         "river stone cloud storm field forest valley island candle mirror window garden basket ladder button rocket").split()
+REWARD_FILE = '''"""Did the reply say the requested word? 1 if the label is one of its words, else 0."""
+
+
+def reward_fn(prompts, completions, labels):
+    return [float(label in completion.replace(".", " ").split()) for completion, label in zip(completions, labels)]
+'''
+
+
+# The models evaluated: a trained one of each kind (DPO's, and an RL policy with its LoRA merged) in the Qwen2 run;
+# PPO's in the GPT-2 run (config/rlhf-ppo.yaml), whose own parts are the base model's template, its reward head and
+# PPO's GPT-2 critic and LoRA. Evaluating every model of a DAG (the default) is the RL-only run's and the tiny run's.
+EVALUATED = ("dpo", "ppo")
+GPT2_EVALUATED = ("ppo",)
+# The trainers of config/tiny.yaml's size, for the shipped experiments run on a tiny model.
+TINY_TRAINER = {"zero_stage": 0, "num_workers": 1, "batch_size": 8, "micro_batch_size": 4, "learning_rate": 1.0e-3,
+                "warmup_steps": 1}
+
+
+def question(word: str, i: int) -> str:
+    return ["Repeat the word: {}", "Say {} once.", "Echo this: {}"][i % 3].format(word)
+
+
+def write_user_files(root: Path, chat: bool) -> dict:
+    """The user's four datasets and reward file; preference pairs as chat messages (chat) or text with a prompt."""
+    rng = random.Random(0)
+    root.mkdir(parents=True, exist_ok=True)
+    sft = [{"question": question(w, i), "answer": w} for i, w in enumerate(rng.choices(WORDS, k=64))]
+    pairs = []
+    for i, word in enumerate(rng.choices(WORDS, k=96)):
+        wrong = rng.choice([w for w in WORDS if w != word])
+        if chat:
+            turn = [{"role": "user", "content": question(word, i)}]
+            pairs.append({"chosen": turn + [{"role": "assistant", "content": word}],
+                          "rejected": turn + [{"role": "assistant", "content": wrong}]})
+        else:
+            pairs.append({"prompt": question(word, i), "chosen": word, "rejected": wrong})
+    prompts = [{"question": question(w, i), "word": w} for i, w in enumerate(rng.choices(WORDS, k=64))]
+    held_out = [{"question": question(w, i + 1), "word": w} for i, w in enumerate(rng.choices(WORDS, k=16))]
+    for name, rows in (("sft.jsonl", sft), ("pairs.jsonl", pairs), ("eval.jsonl", held_out)):
+        (root / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    pandas.DataFrame(prompts).to_parquet(root / "prompts.parquet")
+    (root / "said_the_word.py").write_text(REWARD_FILE)
+    return {"texts": [r["question"] + " " + r["answer"] for r in sft] * 4, "reward": str(root / "said_the_word.py"),
+            "data": {"sft": {"path": str(root / "sft.jsonl"), "input_key": "question", "output_key": "answer",
+                             "max_samples": 64, "eval_fraction": 0.1},
+                     "preference": {"path": str(root / "pairs.jsonl"), "max_samples": 96, "eval_fraction": 0.2},
+                     "prompts": {"path": str(root / "prompts.parquet"), "input_key": "question", "label_key": "word",
+                                 "max_samples": 64},
+                     "eval": {"path": str(root / "eval.jsonl"), "input_key": "question", "label_key": "word"}}}
+
+
+def build_user_model(out_dir: Path, architecture: str, texts: list[str], chat: bool) -> None:
+    """A model directory as users have them: for qwen2, a chat model whose EOS (<|endoftext|>) is not its end of turn
+    (<|im_end|>), as Qwen2's; for gpt2, a base model without a chat template."""
+    build_tiny(out_dir, {"architecture": architecture, "hidden_size": 64, "num_layers": 2, "num_heads": 2,
+                         "vocab_size": 400}, 0, texts)
+    tokenizer = AutoTokenizer.from_pretrained(out_dir)
+    tokenizer.eos_token = "<|endoftext|>"
+    if not chat:
+        tokenizer.chat_template = None
+    tokenizer.save_pretrained(out_dir)
+    (out_dir / "chat_template.jinja").unlink(missing_ok=True) if not chat else None
+    for name in ("config.json", "generation_config.json"):
+        path = out_dir / name
+        if path.exists():
+            path.write_text(json.dumps(json.loads(path.read_text()) | {"eos_token_id": tokenizer.eos_token_id}))
+
+
+def user_config(root: Path, model_dir: Path, files: dict, chat: bool, ppo: dict | None = None, **overrides) -> Path:
+    data = files["data"] | ({} if chat else {"apply_chat_template": False, "input_template": "User: {}\nAssistant: "})
+    settings = dict(
+        experiment=root.name, seeds=None, model={"path": str(model_dir)}, data=data,
+        sft={"lora_rank": 4, "lora_alpha": 8, "packing": True}, dpo={"packing": True},
+        reward_model={"lora_rank": 4, "lora_alpha": 8, "lora_targets": "all-linear"},
+        rl={"steps": 4, "eval_prompts": 8, "reward": files["reward"],
+            # grpo with GSPO's sequence-level loss (its paper's clip range), DAPO's overlong mask, packed forwards
+            "variants": {"grpo": {"estimator": "group_norm", "policy_loss": "gspo", "clip_low": 3e-4, "clip_high": 4e-4,
+                                  "overlong": "mask", "packing": True},
+                         "ppo": {"estimator": "gae", "reward": "model", "lora_rank": 4} | (ppo or {})}},
+        evaluate={"models": list(EVALUATED), "rewards": [files["reward"], "model"]})
+    root.mkdir(parents=True, exist_ok=True)
+    return write_config(root / "config.yaml", root / "results", **(settings | overrides))
+
+
+def shipped_config(name: str, root: Path, **overrides) -> Path:
+    """config/<name>.yaml as shipped, with its results under `root` and the test's `overrides` (a tiny model, the
+    user's files, fewer steps) merged in key by key."""
+    config = yaml.safe_load((REPO_ROOT / "config" / f"{name}.yaml").read_text())
+    config = deep_merge(config, {"results_dir": str(root / "results"), "experiment": root.name, **overrides})
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "config.yaml").write_text(yaml.safe_dump(config))
+    return root / "config.yaml"
 
 
 def data_rows(path: Path) -> list[dict]:
@@ -31,14 +130,79 @@ def made_stages(results: Path) -> set[str]:
     return {str(p.parent.relative_to(results)) for p in results.rglob("stage.json")}
 
 
-@pytest.fixture(scope="module")
-def qwen2_run(user_experiments):
-    return user_experiments("qwen2_run")
+def run_result(root: Path, proc) -> dict:
+    return {"root": root, "results": root / "results" / root.name, "proc": proc,
+            "mlflow": MlflowClient(tracking_uri=f"sqlite:///{root / 'results' / 'mlflow.db'}")}
+
+
+def run_user_experiment(root: Path, architecture: str, chat: bool, cluster_settings: bool = False,
+                        evaluated: tuple = EVALUATED) -> dict:
+    """`cluster_settings`: PPO with the settings of a GPU cluster run that also work on CPU (two vLLM engines, ZeRO-3
+    with the reference and reward model sharded over two ranks, micro-batched forwards, gradient checkpointing).
+    `evaluated`: the models evaluated (and rows of the report's table)."""
+    files = write_user_files(root / "my_data", chat)
+    model_dir = root / f"my-{architecture}"
+    build_user_model(model_dir, architecture, files["texts"], chat)
+    ppo = {"zero_stage": 3, "frozen_ranks": 2, "forward_micro_batch_size": 4, "gradient_checkpointing": True,
+           "vllm": {"num_engines": 2}} if cluster_settings else {}
+    configfile = user_config(root, model_dir, files, chat, ppo,
+                             evaluate={"models": list(evaluated), "rewards": [files["reward"], "model"]})
+    proc = run_dag(configfile)
+    return {"root": root, "files": files, "model_dir": model_dir, "results": root / "results" / root.name, "proc": proc,
+            "mlflow": MlflowClient(tracking_uri=f"sqlite:///{root / 'results' / 'mlflow.db'}")}
 
 
 @pytest.fixture(scope="module")
-def gpt2_run(user_experiments):
-    return user_experiments("gpt2_run")
+def qwen2_run(tmp_path_factory):
+    return run_user_experiment(tmp_path_factory.mktemp("qwen2") / "user-qwen2", "qwen2", chat=True,
+                               cluster_settings=True)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def background_runs(request, tmp_path_factory):
+    """The GPT-2 run, then the RL-only run, in a thread of their own from the module's start (those that the
+    module's selected tests name), beside the Qwen2 run and the tests after it: a DAG leaves part of two cores idle
+    (stage start-ups, stretches of one stage), which the other takes. Two DAGs at once, not more: memory. Their
+    models and files are made here, in the main thread (a tiny model's weights come from torch's global seed).
+    Returns a run's result by its fixture's name, once it has ended."""
+    experiments = {"gpt2_run": (gpt2_experiment, "gpt2", "user-gpt2"),
+                   "rl_only_run": (rl_only_experiment, "rl-only", "rl-verifiable-reward")}
+    prepare = lambda name: experiments[name][0](tmp_path_factory.mktemp(experiments[name][1]) / experiments[name][2])
+    wanted = {name for item in request.session.items if item.module is request.module for name in item.fixturenames}
+    with ThreadPoolExecutor(1) as pool:
+        started = {name: pool.submit(plan_and_run, prepare(name)) for name in experiments if name in wanted}
+        yield lambda name: (started.get(name) or started.setdefault(name, pool.submit(plan_and_run, prepare(name)))
+                            ).result()
+
+
+def plan_and_run(experiment: dict) -> dict:
+    """An experiment's plan (`snakemake all --dry-run`), then its DAG run."""
+    plan = snakemake(experiment["configfile"], "all", "--dry-run").stdout
+    return experiment | run_result(experiment["root"], run_dag(experiment["configfile"])) | {"plan": plan}
+
+
+@pytest.fixture(scope="module")
+def gpt2_run(background_runs):
+    return background_runs("gpt2_run")
+
+
+def gpt2_experiment(root: Path) -> dict:
+    """The full RLHF chain (config/rlhf-ppo.yaml: SFT, reward model, PPO) on the user's GPT-2 base model and files:
+    its files, model and config."""
+    files = write_user_files(root / "my_data", chat=False)
+    model_dir = root / "my-gpt2"
+    build_user_model(model_dir, "gpt2", files["texts"], chat=False)
+    configfile = shipped_config(
+        "rlhf-ppo", root, seed=0, model={"path": str(model_dir)},
+        data=files["data"] | {"apply_chat_template": False, "input_template": "User: {}\nAssistant: ",
+                              "system_prompt": None, "max_prompt_tokens": 48},
+        sft=TINY_TRAINER | {"lora_rank": 4, "lora_alpha": 8},
+        reward_model=TINY_TRAINER | {"epochs": 1, "lora_rank": 4, "lora_alpha": 8, "lora_targets": "all-linear"},
+        rl={"steps": 4, "eval_prompts": 8, "max_new_tokens": 16, "learning_rate": 1.0e-3,
+            "variants": {"ppo": {"estimator": "gae", "n_samples": 1, "lora_rank": 4}}},
+        evaluate={"models": list(GPT2_EVALUATED), "rewards": [files["reward"], "model"], "num_prompts": 16,
+                  "max_new_tokens": 16})
+    return {"root": root, "configfile": configfile, "files": files, "model_dir": model_dir}
 
 
 @pytest.mark.parametrize("run_name, architecture, evaluated", [("qwen2_run", "Qwen2", EVALUATED),
@@ -108,18 +272,21 @@ def test_responses_end_with_the_end_of_turn_not_eos(qwen2_run, gpt2_run):
     assert all(r["response"].endswith("<|endoftext|>") for r in base_rows)
 
 
-@pytest.fixture(scope="module")
-def given_run(user_experiments):
-    return user_experiments("given_run")
-
-
-def test_start_from_a_given_sft_model_and_reward_model(given_run):
+def test_start_from_a_given_sft_model_and_reward_model(qwen2_run, tmp_path):
     """The SFT model and reward model of the first experiment, given to a second: nothing is trained for them, RL
     starts from them, and the report and MLflow say they were given. (No DPO: a method starts from `sft` whatever
     made it, test_sft_then_dpo_on_the_users_pairs.)"""
-    given_sft, given_rm, proc = given_run["given_sft"], given_run["given_rm"], given_run["proc"]
+    given_sft, given_rm = qwen2_run["results"] / "sft", qwen2_run["results"] / "reward_model"
+    root = tmp_path / "user-given"
+    configfile = user_config(
+        root, qwen2_run["model_dir"], qwen2_run["files"], chat=True, sft={"from": str(given_sft)},
+        reward_model={"from": str(given_rm)}, dpo=None,
+        rl={"steps": 2, "eval_prompts": 8, "reward": "model",
+            "variants": {"grpo": {"estimator": "group_norm", "policy_loss": "cispo"}}},  # CISPO's loss
+        evaluate={"models": ["grpo"], "rewards": ["model"]})
+    proc = run_dag(configfile)
     assert f"sft: using the given model {given_sft} (not trained)" in proc.stdout + proc.stderr
-    results = given_run["results"]
+    results = root / "results" / "user-given"
     sft = json.loads((results / "sft" / "metrics.json").read_text())
     assert sft["steps"] == 0 and sft["given"] == str(given_sft) and not (results / "sft" / "train_log.jsonl").exists()
     assert (results / "sft" / "model.safetensors").resolve() == (given_sft / "model.safetensors").resolve()
@@ -136,7 +303,7 @@ def test_start_from_a_given_sft_model_and_reward_model(given_run):
     report = (results / "report" / "report.md").read_text()
     assert f"SFT model: given (`{given_sft}`, not trained)" in report
     assert f"Reward model: given (`{given_rm}`, not trained)" in report
-    client = given_run["mlflow"]
+    client = MlflowClient(tracking_uri=f"sqlite:///{root / 'results' / 'mlflow.db'}")
     runs = client.search_runs([client.get_experiment_by_name("user-given").experiment_id])
     tags = {r.info.run_name: r.data.tags.get("alignpipe.given_model") for r in runs}
     assert tags["sft"] == str(given_sft) and tags["reward_model"] == str(given_rm) and tags["rl/grpo/seed0"] is None
@@ -155,9 +322,22 @@ def test_full_rlhf_chain_holds_only_its_stages(gpt2_run):
            "dpo." in report and "DPO: none." in report
 
 
+ARITHMETIC_TEXTS = [f"{r['prompt']} {r['response']}" for r in arithmetic_rows("sft", 256, 0)]
+
+
+def rl_only_experiment(root: Path) -> dict:
+    """config/rl-verifiable-reward.yaml on a tiny given instruct model (Mistral): its model and config."""
+    model_dir = root.parent / "my-mistral-instruct"
+    build_user_model(model_dir, "mistral", ARITHMETIC_TEXTS, chat=True)
+    overrides = {"model": {"path": str(model_dir)}, "data": {"prompts": {"max_samples": 64}},
+                 "rl": {"steps": 4, "eval_prompts": 8, "learning_rate": 1.0e-3}, "evaluate": {"num_prompts": 16}}
+    return {"root": root, "configfile": shipped_config("rl-verifiable-reward", root, **overrides), "overrides": overrides,
+            "model_dir": model_dir}
+
+
 @pytest.fixture(scope="module")
-def rl_only_run(user_experiments):
-    return user_experiments("rl_only_run")
+def rl_only_run(background_runs):
+    return background_runs("rl_only_run")
 
 
 def test_rl_only_experiment_holds_only_its_stages(rl_only_run):
