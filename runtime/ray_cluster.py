@@ -51,6 +51,7 @@ PORTS = {"port": 0, "node-manager-port": 1, "object-manager-port": 2, "ray-clien
          "dashboard-agent-listen-port": 4, "runtime-env-agent-port": 6}
 AUTOSCALER_METRICS_PORT = 7  # the head's autoscaler serves metrics on 44217 unless told: on every job's head alike
 WORKER_PORTS = (10, 99)
+PORT_BLOCKS = 400         # blocks of 100 ports from 20000
 JOIN_TIMEOUT_S = 300      # how long the head waits for every node, and a worker for the head
 WORKER_ATTEMPTS = 3       # `ray start --address` tries per worker
 STALL_REQUEST = "stalled"  # the file task 0 of a stalled multi-node job puts into the tasks' shared folder
@@ -106,12 +107,32 @@ class RayNodeInfo:
     nodes: list = dataclasses.field(default_factory=list)  # [{"hostname", "ip", "cpus", "gpus"}], driver only
 
 
-def base_port(job_id: str, configured: int, restart: int = 0) -> int:
+def base_port(job_id: str, configured: int, restart: int = 0, free=None) -> int:
     """The configured base port, or one derived from the job id and its restart count (all tasks of a job agree
-    without talking; a requeued job gets fresh ports in case the previous attempt's processes linger)."""
+    without talking; a requeued job gets fresh ports in case the previous attempt's processes linger). With `free`
+    (a one-node job, whose ports no other task needs to know), the first block from there on whose ports are all
+    free: two jobs on one host derive the same block one time in 400 (seen with two DAGs run at once), and
+    Ray's GCS then fails to start ("Failed to start the grpc server")."""
     if configured:
         return configured
-    return 20000 + (zlib.crc32(f"{job_id}.{restart}".encode()) % 400) * 100
+    first = zlib.crc32(f"{job_id}.{restart}".encode()) % PORT_BLOCKS
+    for block in range(first, first + (PORT_BLOCKS if free else 1)):
+        port = 20000 + (block % PORT_BLOCKS) * 100
+        if free is None or free(port):
+            return port
+    raise RuntimeError("no block of 100 free ports for Ray between 20000 and 59999 on this host; "
+                       "set launcher.ray_port to a base port whose next 100 ports are free")
+
+
+def ports_free(base: int) -> bool:
+    """Whether every port of the block at `base` that a Ray node uses can be bound on every address of this host."""
+    for port in range(base, base + WORKER_PORTS[1] + 1):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("0.0.0.0", port))
+            except OSError:
+                return False
+    return True
 
 
 def resolve(hostname: str) -> str:
@@ -300,7 +321,7 @@ def ray_cluster(job_env, res: dict):
     """
     rank, num_nodes = job_env.global_rank, job_env.num_nodes
     restart = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
-    port = base_port(job_env.job_id, res["ray_port"], restart)
+    port = base_port(job_env.job_id, res["ray_port"], restart, free=ports_free if num_nodes == 1 else None)
     head_ip, my_ip = node_addresses(rank, list(job_env.hostnames), res["cluster"])
     head_address = f"{head_ip}:{port}"
     # Ray's unix sockets need a short path; /tmp keeps it under the 107-character limit. Ray makes its temp dir

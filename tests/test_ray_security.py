@@ -15,6 +15,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -26,7 +27,7 @@ import pytest
 
 from launcher.config import REPO_ROOT
 from pipeline_helpers import wait_until
-from runtime.ray_cluster import LOOPBACK_ENV, job_token
+from runtime.ray_cluster import LOOPBACK_ENV, base_port, job_token
 
 JOB = textwrap.dedent("""
     import json, os, sys, types
@@ -73,8 +74,8 @@ E_LINE = re.compile(r"\[\d{4}-\d\d-\d\d [\d:,]+ E \d+|\d{4}-\d\d-\d\d [\d:,]+\s+
 class Job:
     """One job's process with its Ray node, as the local executor runs it."""
 
-    def __init__(self, root: Path, nodes: int = 1, ranks: int = 0):
-        self.job_id = f"sec{uuid.uuid4().hex[:8]}"
+    def __init__(self, root: Path, nodes: int = 1, ranks: int = 0, job_id: str | None = None):
+        self.job_id = job_id or f"sec{uuid.uuid4().hex[:8]}"
         self.folder = root / self.job_id
         self.folder.mkdir()
         self.log = self.folder / "job.log"
@@ -177,7 +178,13 @@ def client(address: str, **env) -> subprocess.Popen:
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
-    job = Job(tmp_path_factory.mktemp("ray-security"), ranks=2)
+    """A one-node job whose own block of ports (derived from its id) is held, as another job's Ray on this host
+    would hold it, while its node starts."""
+    job_id = f"sec{uuid.uuid4().hex[:8]}"
+    taken = base_port(job_id, 0)
+    with socket.create_server(("127.0.0.1", taken)):
+        job = Job(tmp_path_factory.mktemp("ray-security"), ranks=2, job_id=job_id)
+    job.taken = taken
     yield job
     job.kill()
 
@@ -196,6 +203,13 @@ def test_unauthenticated_client_is_refused_and_the_token_connects(job):
         assert "REFUSED" in out[name] and "CONNECTED" not in out[name], out[name][-3000:]
         assert "InvalidAuthToken" in out[name] or "Unauthenticated" in out[name], out[name][-3000:]
     assert "CONNECTED 42" in out["the job's token"], out["the job's token"][-3000:]
+
+
+@pytest.mark.e2e
+def test_a_block_of_ports_in_use_on_the_host_is_passed_over(job):
+    """Two jobs on one host whose ids derive the same block (two DAGs at once): the second takes a free one."""
+    port = int(job.up["head"].rsplit(":", 1)[1])
+    assert port != job.taken and port % 100 == 0 and 20000 <= port < 60000, (port, job.taken)
 
 
 @pytest.mark.e2e

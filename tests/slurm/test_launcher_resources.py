@@ -120,6 +120,10 @@ def test_ray_addresses_and_ports():
     assert head == mine
     assert base_port("12", 0, 0) != base_port("12", 0, 1), "a requeued job must get fresh ports"
     assert base_port("12", 0) == base_port("12", 0) and base_port("12", 31000) == 31000
+    derived = base_port("12", 0)
+    assert base_port("12", 0, free=lambda port: port != derived) == (derived - 20000 + 100) % 40000 + 20000
+    with pytest.raises(RuntimeError, match="launcher.ray_port"):
+        base_port("12", 0, free=lambda port: False)
     res = {"cpus_per_node": 2, "gpus_per_node": 1, "mem_gb": 4}
     head_cmd = ray_start_command(None, "10.0.0.1", 30000, res, "/tmp/x")
     assert "--head" in head_cmd and "--include-dashboard=false" in head_cmd and "--block" in head_cmd
