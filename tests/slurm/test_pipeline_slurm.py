@@ -70,12 +70,12 @@ def tiny_slurm_config(path: Path, results: Path) -> Path:
 class Run:
     """`snakemake --profile slurm all` in the background, its output in a file that the test can watch."""
 
-    def __init__(self, name: str, configfile: Path, root: Path, *extra: str):
+    def __init__(self, name: str, configfile: Path, root: Path, *extra: str, cores: int = 1):
         self.out_path = root / f"{name}.out"
         self.started = time.time()
-        # One stage at a time: the two test nodes share this machine's 2 cores, and several Ray clusters starting
-        # at once on them time out waiting for their GCS.
-        self.proc = subprocess.Popen([SNAKEMAKE, "--profile", "slurm", "all", "--cores", "1", "--configfile",
+        # One stage at a time where stages start Ray clusters (`cores`): the two test nodes share this machine's 2
+        # cores, and several Ray clusters starting at once on them time out waiting for their GCS.
+        self.proc = subprocess.Popen([SNAKEMAKE, "--profile", "slurm", "all", "--cores", str(cores), "--configfile",
                                       str(configfile), *extra],
                                      cwd=REPO_ROOT, stdin=subprocess.DEVNULL, stdout=self.out_path.open("w"),
                                      stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -156,8 +156,9 @@ def scenario(slurm_cluster, tmp_path_factory):
 
     runs = []  # stopped (like Ctrl-C: their launchers cancel their jobs) if the scenario breaks off
     try:
-        # 1. Cancel the SFT job while its two-node Ray cluster is up.
-        first = Run("first", configfile, root)
+        # 1. Cancel the SFT job while its two-node Ray cluster is up. Until then only SFT starts Ray: the stages
+        # before it (base_model, preprocess) run two at a time, one on each node.
+        first = Run("first", configfile, root, cores=2)
         runs.append(first)
         sft = first.wait_for("the sft job to be submitted", lambda: first.submitted("sft"), 900)
         first.wait_for("Ray to be up across the sft job's nodes",
