@@ -6,10 +6,13 @@
 2. Ray started with GPUs declared: each trainer rank, frozen-model rank and vLLM engine gets its own GPU ids and
    the CUDA_VISIBLE_DEVICES that follows from them; colocated roles share the GPUs of one placement group; a
    tensor-parallel engine names its bundles for vLLM's Ray workers.
+3. A rank's process joins its group with DeepSpeed and without MLflow (the driver tracks).
 """
 import os
+import subprocess
 import sys
 import tempfile
+from pathlib import Path
 
 import pytest
 import ray
@@ -163,3 +166,26 @@ def test_colocated_roles_share_each_gpu(ray_with_gpus):
     policy.shutdown()
     reference.shutdown()
     ray.util.remove_placement_group(shared)
+
+
+def test_a_rank_joins_its_group_without_importing_mlflow():
+    """DeepSpeed's autotuner imports MLflow with DeepSpeed (2.3 s of CPU in every rank's process); a rank's process,
+    as a Ray worker starts it (the actors' module, then `init_distributed`), leaves it out and can still import it."""
+    rank = """
+import socket, sys
+from runtime.rl_actors import PolicyWorker
+with socket.socket() as sock:
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+worker = PolicyWorker()
+worker.init_distributed(0, {"master_addr": "127.0.0.1", "master_port": port, "world_size": 1}, 1)
+import deepspeed, torch
+from deepspeed.autotuning import autotuner
+print("group", torch.distributed.get_world_size(), "mlflow" in sys.modules, autotuner.has_mlflow)
+import mlflow
+print("later", mlflow.MlflowClient.__name__)
+"""
+    proc = subprocess.run([sys.executable, "-c", rank], capture_output=True, text=True, timeout=300,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "group 1 False False" in proc.stdout and "later MlflowClient" in proc.stdout, proc.stdout
