@@ -58,13 +58,14 @@ def warmup_cosine(optimizer, warmup_steps: int, total_steps: int):
 def import_deepspeed():
     """`import deepspeed`, without the MLflow that its autotuner (unused here) imports with it: 2.3 s of CPU in each
     rank's process, which tracks nothing (the stage's driver does). A process that has MLflow keeps it."""
-    if "deepspeed" not in sys.modules and "mlflow" not in sys.modules:
+    left_out = "deepspeed" not in sys.modules and "mlflow" not in sys.modules
+    if left_out:
         sys.modules["mlflow"] = None  # `import mlflow` raises ImportError, which the autotuner catches
-        try:
-            import deepspeed
-        finally:
+    try:
+        import deepspeed
+    finally:
+        if left_out:
             del sys.modules["mlflow"]
-    import deepspeed
     return deepspeed
 
 
