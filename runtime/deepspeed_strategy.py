@@ -12,7 +12,6 @@ import dataclasses
 import math
 import os
 import socket
-import sys
 from pathlib import Path
 
 import torch
@@ -53,20 +52,6 @@ def warmup_cosine(optimizer, warmup_steps: int, total_steps: int):
         progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
         return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
-
-
-def import_deepspeed():
-    """`import deepspeed`, without the MLflow that its autotuner (unused here) imports with it: 2.3 s of CPU in each
-    rank's process, which tracks nothing (the stage's driver does). A process that has MLflow keeps it."""
-    left_out = "deepspeed" not in sys.modules and "mlflow" not in sys.modules
-    if left_out:
-        sys.modules["mlflow"] = None  # `import mlflow` raises ImportError, which the autotuner catches
-    try:
-        import deepspeed
-    finally:
-        if left_out:
-            del sys.modules["mlflow"]
-    return deepspeed
 
 
 def init_process_group(backend: str, rank: int, rendezvous: dict) -> None:
@@ -111,7 +96,7 @@ class DeepSpeedWorker:
         raise NotImplementedError
 
     def init_distributed(self, rank: int, rendezvous: dict, num_threads: int) -> None:
-        deepspeed = import_deepspeed()
+        import deepspeed
         torch.set_num_threads(num_threads)
         # LOCAL_RANK 0: Ray's CUDA_VISIBLE_DEVICES holds only the GPU(s) it gave this rank.
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(rendezvous["world_size"]), LOCAL_RANK="0")
@@ -127,7 +112,7 @@ class DeepSpeedWorker:
 
     def build_engine(self, cfg, rank: Rank, model_loader) -> None:
         """The DeepSpeed engine from the trainer keys of `cfg` (a TrainerConfig) and the model in rank.model_dir."""
-        deepspeed = import_deepspeed()
+        import deepspeed
         grad_accum = cfg.batch_size // (cfg.micro_batch_size * cfg.num_workers)
         self.dtype = model_dtype(cfg.precision)
         if cfg.offload_optimizer and not torch.cuda.is_available():

@@ -10,7 +10,7 @@ import torch
 
 from runtime import losses, trainer, weight_sync
 from runtime.actor_group import ActorGroup, actor_threads, bundles, cluster_gpus, reserve
-from runtime.deepspeed_strategy import DeepSpeedWorker, Rank, import_deepspeed, inference_ds_config
+from runtime.deepspeed_strategy import DeepSpeedWorker, Rank, inference_ds_config
 from runtime.experience import Rollout
 from runtime.logprobs import (entropy_from_logits, forward_tokens, on_device, response_logits, response_logprobs,
                               token_logprobs)
@@ -129,7 +129,7 @@ class FrozenScorer(DeepSpeedWorker):
         dtype = model_dtype(cfg.precision)
         torch.set_num_threads(rank.num_threads)
         if rank.rendezvous["world_size"] > 1 and cfg.zero_stage == 3:
-            deepspeed = import_deepspeed()
+            import deepspeed
             from transformers.integrations import HfDeepSpeedConfig
             self.init_distributed(rank.rank, rank.rendezvous, rank.num_threads)
             config = inference_ds_config(3, dtype == "bfloat16")

@@ -6,7 +6,7 @@
 2. Ray started with GPUs declared: each trainer rank, frozen-model rank and vLLM engine gets its own GPU ids and
    the CUDA_VISIBLE_DEVICES that follows from them; colocated roles share the GPUs of one placement group; a
    tensor-parallel engine names its bundles for vLLM's Ray workers.
-3. A rank's process joins its group with DeepSpeed and without MLflow (the driver tracks).
+3. A rank's process leaves out the MLflow and scikit-learn that DeepSpeed and transformers would import.
 """
 import os
 import subprocess
@@ -168,9 +168,10 @@ def test_colocated_roles_share_each_gpu(ray_with_gpus):
     ray.util.remove_placement_group(shared)
 
 
-def test_a_rank_joins_its_group_without_importing_mlflow():
-    """DeepSpeed's autotuner imports MLflow with DeepSpeed (2.3 s of CPU in every rank's process); a rank's process,
-    as a Ray worker starts it (the actors' module, then `init_distributed`), leaves it out and can still import it."""
+def test_a_ranks_process_leaves_out_mlflow_and_scikit_learn():
+    """DeepSpeed's autotuner imports MLflow, transformers' assisted generation scikit-learn, each costing every
+    process seconds of CPU; a rank's process, as a Ray worker starts it (the actors' module, then joining its group
+    and loading a model), imports neither, and can still import both."""
     rank = """
 import socket, sys
 from runtime.rl_actors import PolicyWorker
@@ -179,13 +180,17 @@ with socket.socket() as sock:
     port = sock.getsockname()[1]
 worker = PolicyWorker()
 worker.init_distributed(0, {"master_addr": "127.0.0.1", "master_port": port, "world_size": 1}, 1)
-import deepspeed, torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+model = AutoModelForCausalLM.from_config(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                                     num_hidden_layers=1, num_attention_heads=2))
+import torch
 from deepspeed.autotuning import autotuner
-print("group", torch.distributed.get_world_size(), "mlflow" in sys.modules, autotuner.has_mlflow)
-import mlflow
-print("later", mlflow.MlflowClient.__name__)
+print("group", torch.distributed.get_world_size(), "mlflow" in sys.modules, autotuner.has_mlflow,
+      "sklearn" in sys.modules)
+import mlflow, sklearn.metrics
+print("later", mlflow.MlflowClient.__name__, sklearn.metrics.roc_curve.__name__)
 """
     proc = subprocess.run([sys.executable, "-c", rank], capture_output=True, text=True, timeout=300,
                           cwd=Path(__file__).resolve().parents[1])
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "group 1 False False" in proc.stdout and "later MlflowClient" in proc.stdout, proc.stdout
+    assert "group 1 False False False" in proc.stdout and "later MlflowClient roc_curve" in proc.stdout, proc.stdout
