@@ -21,7 +21,7 @@ from pathlib import Path
 import submitit
 
 from runtime import checkpoints, tracking
-from runtime.progress import StallWatch, beat
+from runtime.progress import StallWatch, beat, raise_if_stalled
 
 # Set for every job and Ray worker: no hub downloads (unless the config allows them: set_job_env), quiet tokenizers,
 # vLLM in-process on CPU.
@@ -117,6 +117,7 @@ class StageJob(submitit.helpers.Checkpointable):
                 (partial / "stage.json").write_text(json.dumps(
                     {"stage": self.stage, "params": self.params, "config_hash": tracking.config_hash(self.params),
                      "inputs": self.inputs, "mlflow_run_id": tracker.run_id, "job": job}, indent=2))
+                raise_if_stalled()
         except BaseException:
             shutil.rmtree(partial, ignore_errors=True)
             checkpoints.remove_if_empty(ckpt)  # kept if the stage saved one: its rerun (or requeue) resumes from it

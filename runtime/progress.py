@@ -75,6 +75,13 @@ def beat(what: str, step: bool = False) -> None:
         _watch.beat(what, step)
 
 
+def raise_if_stalled() -> None:
+    """Raise the stall that the watch declared, if it did. Its interruption of the driver's main thread can be lost
+    (it landed in MLflow's import and the stage went on), and a stalled stage must not publish its output."""
+    if _watch is not None and _watch.stalled.is_set():
+        raise StageStalled(_watch.message)
+
+
 def stall_limit(base_s: float, slowest_step_s: float) -> float:
     return max(base_s, STEP_FACTOR * slowest_step_s)
 
@@ -86,6 +93,7 @@ class StallWatch:
         self.base_s, self.run_name, self.job_id, self.grace_s = limit_min * 60, run_name, job_id, grace_s
         self.last = time.monotonic()
         self.last_what, self.last_step, self.slowest, self.stalled = "the stage started", None, 0.0, threading.Event()
+        self.message = f"stage {run_name} (job {job_id}) stalled"  # (with its place once the watch has found it)
         self._over = threading.Event()
         self._main = threading.main_thread().ident
 

@@ -24,7 +24,7 @@ STAGE_LIMIT_MIN = 1.0
 def run_watched(tmp_path: Path, body: str, grace_s: float = 30) -> subprocess.CompletedProcess:
     """Run `body` (which defines `stuck()`) under a StallWatch of LIMIT_MIN in a Python process of its own."""
     script = tmp_path / "stuck.py"
-    script.write_text(textwrap.dedent(f"""
+    script.write_text(textwrap.dedent("""
         import os, signal, subprocess, sys, time
         from runtime.progress import StallWatch, beat
         """) + textwrap.dedent(body) + textwrap.dedent(f"""
@@ -107,6 +107,47 @@ def test_a_driver_that_cannot_be_interrupted_exits_after_the_grace(tmp_path):
     out = done.stdout + done.stderr
     assert done.returncode == STALL_EXIT_CODE, out[-3000:]
     assert STALL_MARK in out and "did not end within 1 s of being told to" in out
+
+
+def test_a_stall_whose_interruption_is_lost_still_fails_the_stage_before_it_publishes(tmp_path):
+    """The watch's interruption of the driver can be lost (it once landed in MLflow's import, and the stage went on
+    to finish within the grace): a stage that the watch declared stalled fails all the same, with nothing published."""
+    script = tmp_path / "lost.py"
+    script.write_text(textwrap.dedent(f"""
+        import time, types
+        from pathlib import Path
+        from runtime import progress, tracking
+        from runtime.job import StageJob
+        from runtime.progress import StallWatch, beat
+
+        def run(cfg, inputs, output, tracker):
+            (output / "model.txt").write_text("trained")
+            beat("trained")
+            while not progress._watch.stalled.wait(0.1):
+                pass
+            try:
+                time.sleep(5)  # the watch interrupts this wait ...
+            except BaseException:
+                pass  # ... and the interruption is lost
+
+        stage = types.SimpleNamespace(Config=types.SimpleNamespace(from_params=lambda params: None), run=run)
+        out = Path("{tmp_path}")
+        job = StageJob(stage="base_model", run_name="base_model", params={{"seed": 0}}, inputs={{}},
+                       output=str(out / "base_model"), experiment="lost", tracking_uri=f"sqlite:///{{out}}/mlflow.db",
+                       resources={{"cluster": "local"}}, checkpoint_dir=str(out / "checkpoint"), hub_downloads=False)
+        with tracking.stage_run(job.tracking_uri, "lost", "warm-up", {{}}):
+            pass  # the store's tables made, MLflow imported: the stage starts within the limit
+        with StallWatch({LIMIT_MIN}, "base_model", "1234", grace_s=60):
+            job.run_driver(stage)
+        print("published")
+        """))
+    done = subprocess.run([sys.executable, str(script)], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
+                          env={"PYTHONPATH": str(REPO_ROOT), "PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin"})
+    out = done.stdout + done.stderr
+    assert done.returncode == 1 and "RuntimeError: stage base_model (job 1234) stalled" in done.stderr, out[-3000:]
+    assert STALL_MARK in out and "published" not in done.stdout
+    assert "last progress: trained" in out and f"the driver waits at {script}:" in out, out[-3000:]
+    assert not (tmp_path / "base_model").exists() and not (tmp_path / "base_model.partial").exists()
 
 
 @pytest.mark.e2e
