@@ -2,8 +2,8 @@
 groups, the trainer loop, checkpoints, vLLM rollouts, tracking, progress lines, the Ray bring-up and the job
 runner itself. One module per job; see the README's layout table.
 
-Importing this package also leaves out two optional imports of the libraries below, which cost each process seconds
-of CPU at its start for features no stage uses (`UnusedOptionalImports`)."""
+Importing this package also leaves out two optional imports that cost each process seconds of CPU at its start, for
+features no stage uses (`UnusedOptionalImports`)."""
 import contextlib
 import importlib.machinery
 import sys

