@@ -56,6 +56,8 @@ JOIN_TIMEOUT_S = 300      # how long the head waits for every node, and a worker
 WORKER_ATTEMPTS = 3       # `ray start --address` tries per worker
 STALL_REQUEST = "stalled"  # the file task 0 of a stalled multi-node job puts into the tasks' shared folder
 NODE_STACKS_TIMEOUT_S = 120  # how long task 0 waits for the other nodes' stacks
+PORT_ATTEMPTS = 3         # blocks a one-node job's head tries (see ray_cluster)
+GCS_PORT_TAKEN = "Failed to start the grpc server"  # what the GCS logs when its port is taken
 HEAD_MISSES = 3           # a worker leaves after this many failed checks (2 s apart) of the head's port
 LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": Ray keeps 127.0.0.1 instead of the host's address
 
@@ -321,7 +323,28 @@ def ray_cluster(job_env, res: dict):
     """
     rank, num_nodes = job_env.global_rank, job_env.num_nodes
     restart = int(os.environ.get("SLURM_RESTART_COUNT", "0") or 0)
-    port = base_port(job_env.job_id, res["ray_port"], restart, free=ports_free if num_nodes == 1 else None)
+    passed_over = set()
+    while True:
+        free = (lambda base: base not in passed_over and ports_free(base)) if num_nodes == 1 else None
+        port = base_port(job_env.job_id, res["ray_port"], restart, free=free)
+        try:
+            yield from _job_node(job_env, res, rank, num_nodes, restart, port)
+            return
+        except HeadDidNotStart as err:
+            # The block was free when checked, and a port of it was taken before Ray bound it: by another job's head
+            # starting on this host at the same moment, or as the ephemeral port of an outgoing connection (the
+            # blocks lie in Linux's ephemeral range; seen once in a full test run). A one-node job's ports are its
+            # own: it takes the next free block. The GCS says when its port is taken; the raylet only times out.
+            taken = GCS_PORT_TAKEN in str(err) or not ports_free(port)
+            if free is None or res["ray_port"] or not taken or len(passed_over) + 1 == PORT_ATTEMPTS:
+                raise
+            passed_over.add(port)
+            print(f"[ray] a port of the block at {port} was taken while the head started; trying the next free block",
+                  flush=True)
+
+
+def _job_node(job_env, res: dict, rank: int, num_nodes: int, restart: int, port: int):
+    """One attempt of `ray_cluster`, on the block of ports at `port`."""
     head_ip, my_ip = node_addresses(rank, list(job_env.hostnames), res["cluster"])
     head_address = f"{head_ip}:{port}"
     # Ray's unix sockets need a short path; /tmp keeps it under the 107-character limit. Ray makes its temp dir
@@ -346,7 +369,7 @@ def ray_cluster(job_env, res: dict):
 
 def _run_node(info: RayNodeInfo, head_ip: str, head_address: str, port: int, res: dict, private_dir: Path,
               env: dict, token_dir: Path | None, shared: Path | None):
-    """The body of `ray_cluster`: start this task's node (with its watchdog), join, yield, stop. `shared`: the
+    """The body of `_job_node`: start this task's node (with its watchdog), join, yield, stop. `shared`: the
     folder of a multi-node job's tasks, through which a stall watch on task 0 asks the others for their stacks."""
     import ray
     rank, num_nodes, my_ip = info.rank, info.num_nodes, info.ip
@@ -428,6 +451,10 @@ def _wait_for_head(host: str, port: int, timeout_s: float = JOIN_TIMEOUT_S) -> N
         time.sleep(1)
 
 
+class HeadDidNotStart(RuntimeError):
+    pass
+
+
 def _connect(address: str, my_ip: str, proc: subprocess.Popen, log_path: Path, timeout_s: float = JOIN_TIMEOUT_S,
              attempts: int = 3) -> None:
     """Connect the driver once the head node is up: `ray start` says "Ray runtime started" when its services
@@ -435,8 +462,12 @@ def _connect(address: str, my_ip: str, proc: subprocess.Popen, log_path: Path, t
     import ray
     deadline = time.time() + timeout_s
     while "Ray runtime started" not in _log_tail(log_path, 1 << 20):
-        if proc.poll() is not None or time.time() > deadline:
-            raise RuntimeError(f"Ray head did not start (exit code {proc.poll()}); its log:\n{_log_tail(log_path)}")
+        # A GCS that cannot bind its port says so at once; `ray start` reports it ~40 s later.
+        port_taken = [line for err in log_path.parent.glob("r/session_*/logs/gcs_server.err")
+                      for line in _log_tail(err).splitlines() if GCS_PORT_TAKEN in line]
+        if proc.poll() is not None or port_taken or time.time() > deadline:
+            raise HeadDidNotStart(f"Ray head did not start (exit code {proc.poll()}); its log:\n{_log_tail(log_path)}"
+                                  + "".join(f"\n{line}" for line in port_taken))
         time.sleep(0.5)
     for attempt in range(1, attempts + 1):
         try:

@@ -27,7 +27,7 @@ import pytest
 
 from launcher.config import REPO_ROOT
 from pipeline_helpers import wait_until
-from runtime.ray_cluster import LOOPBACK_ENV, base_port, job_token
+from runtime.ray_cluster import LOOPBACK_ENV, base_port, job_token, ports_free
 
 JOB = textwrap.dedent("""
     import json, os, sys, types
@@ -35,10 +35,14 @@ JOB = textwrap.dedent("""
     from runtime.job import JOB_ENV
     os.environ.update(JOB_ENV)
     import ray  # as a stage module would, before its cluster starts
+    import runtime.ray_cluster
     from runtime.ray_cluster import ray_cluster
 
     nodes = int(sys.argv[4])  # with 2, task 0 of a two-node job: it shares the token by file, then waits for task 1
     ranks = int(sys.argv[5])  # DeepSpeed ranks to start, as a stage starts its trainers
+    if sys.argv[6]:  # a block that its check finds free, as if it were taken just after (two heads starting at once)
+        checked = runtime.ray_cluster.ports_free
+        runtime.ray_cluster.ports_free = lambda base: base == int(sys.argv[6]) or checked(base)
     job_env = types.SimpleNamespace(job_id=sys.argv[2], global_rank=0, num_nodes=nodes,
                                     hostnames=["localhost"] * nodes, paths=types.SimpleNamespace(folder=sys.argv[3]))
     # (the ranks take one of the 2 CPUs: a client's task gets the other)
@@ -74,7 +78,8 @@ E_LINE = re.compile(r"\[\d{4}-\d\d-\d\d [\d:,]+ E \d+|\d{4}-\d\d-\d\d [\d:,]+\s+
 class Job:
     """One job's process with its Ray node, as the local executor runs it."""
 
-    def __init__(self, root: Path, nodes: int = 1, ranks: int = 0, job_id: str | None = None):
+    def __init__(self, root: Path, nodes: int = 1, ranks: int = 0, job_id: str | None = None,
+                 free_when_checked: int | None = None):
         self.job_id = job_id or f"sec{uuid.uuid4().hex[:8]}"
         self.folder = root / self.job_id
         self.folder.mkdir()
@@ -84,7 +89,8 @@ class Job:
         with self.log.open("w") as out:
             # (PYTHONPATH: Ray's workers import this checkout, not the one the environment has installed)
             self.proc = subprocess.Popen([sys.executable, str(script), str(REPO_ROOT), self.job_id, str(self.folder),
-                                          str(nodes), str(ranks)], stdin=subprocess.PIPE, stdout=out,
+                                          str(nodes), str(ranks), str(free_when_checked or "")],
+                                         stdin=subprocess.PIPE, stdout=out,
                                          stderr=subprocess.STDOUT, text=True, cwd=self.folder,
                                          env=os.environ | {"PYTHONPATH": str(REPO_ROOT)})
         ready = (lambda: re.search(r"^\[test\] (\{.*\})$", self.text(), re.M)) if nodes == 1 else \
@@ -178,12 +184,13 @@ def client(address: str, **env) -> subprocess.Popen:
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
-    """A one-node job whose own block of ports (derived from its id) is held, as another job's Ray on this host
-    would hold it, while its node starts."""
+    """A one-node job whose own block of ports (derived from its id) is held while its node starts, as another job's
+    head starting at the same moment on this host would hold it: taken after the job's check found it free."""
     job_id = f"sec{uuid.uuid4().hex[:8]}"
     taken = base_port(job_id, 0)
     with socket.create_server(("127.0.0.1", taken)):
-        job = Job(tmp_path_factory.mktemp("ray-security"), ranks=2, job_id=job_id)
+        assert not ports_free(taken)
+        job = Job(tmp_path_factory.mktemp("ray-security"), ranks=2, job_id=job_id, free_when_checked=taken)
     job.taken = taken
     yield job
     job.kill()
@@ -207,9 +214,11 @@ def test_unauthenticated_client_is_refused_and_the_token_connects(job):
 
 @pytest.mark.e2e
 def test_a_block_of_ports_in_use_on_the_host_is_passed_over(job):
-    """Two jobs on one host whose ids derive the same block (two DAGs at once): the second takes a free one."""
+    """Two jobs on one host whose ids derive the same block (two DAGs at once), the second's check passing before the
+    first's head bound its ports (in a full test run): the second's head fails there and it starts on a free block."""
     port = int(job.up["head"].rsplit(":", 1)[1])
     assert port != job.taken and port % 100 == 0 and 20000 <= port < 60000, (port, job.taken)
+    assert f"a port of the block at {job.taken} was taken while the head started" in job.text()
 
 
 @pytest.mark.e2e
