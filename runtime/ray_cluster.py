@@ -332,9 +332,10 @@ def ray_cluster(job_env, res: dict):
             return
         except HeadDidNotStart as err:
             # The block was free when checked, and a port of it was taken before Ray bound it: by another job's head
-            # starting on this host at the same moment, or as the ephemeral port of an outgoing connection (the
-            # blocks lie in Linux's ephemeral range; seen once in a full test run). A one-node job's ports are its
-            # own: it takes the next free block. The GCS says when its port is taken; the raylet only times out.
+            # that derived the same block and started at the same moment (jobs 18627 and 18630 of a full test run,
+            # three stages submitted at once), or as the ephemeral port of an outgoing connection. A one-node job's
+            # ports are its own: it takes the next free block. The GCS says when its port is taken; the raylet only
+            # times out.
             taken = GCS_PORT_TAKEN in str(err) or not ports_free(port)
             if free is None or res["ray_port"] or not taken or len(passed_over) + 1 == PORT_ATTEMPTS:
                 raise
