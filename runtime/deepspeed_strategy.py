@@ -190,10 +190,11 @@ class DeepSpeedWorker:
             if self.rank == 0:  # a copy under ZeRO-3: the gathered tensor is freed with its module
                 state_dict[name] = tensor.to("cpu", copy=zero3)
         if self.rank == 0:
-            from runtime.models import load_tokenizer, record_remote_code, trusts_remote_code
+            from runtime.models import load_tokenizer, record_remote_code, record_tokenizer_class, trusts_remote_code
             self.engine.module.save_pretrained(out_dir, state_dict=state_dict, safe_serialization=True)
             load_tokenizer(tokenizer_dir).save_pretrained(out_dir)
             record_remote_code(out_dir, trusts_remote_code(tokenizer_dir))
+            record_tokenizer_class(out_dir)
         torch.distributed.barrier()
 
     def offload_states(self) -> None:

@@ -18,6 +18,7 @@ CHATML = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ me
           "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 REMOTE_CODE_FILE = "alignpipe_remote_code.json"
+TOKENIZER_CLASS_FILE = "alignpipe_tokenizer_class.json"  # record_tokenizer_class
 _LLAMA_LIKE = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # The linear layers of a decoder block, by config.json's `model_type`: the names `lora_targets` may use.
 LINEAR_LAYERS = {"llama": _LLAMA_LIKE, "qwen2": _LLAMA_LIKE, "mistral": _LLAMA_LIKE, "gpt2": ("c_attn", "c_proj", "c_fc")}
@@ -33,6 +34,22 @@ def trusts_remote_code(model_dir) -> bool:
 
 def record_remote_code(model_dir, trust: bool) -> None:
     (Path(model_dir) / REMOTE_CODE_FILE).write_text(json.dumps({"trust_remote_code": trust}))
+
+
+def record_tokenizer_class(model_dir) -> None:
+    """Which tokenizer class AutoTokenizer takes for the directory (its rules weigh tokenizer_config.json against
+    config.json's model type), for load_tokenizer: finding out imports transformers' auto classes, and with them
+    torch and much of the modelling code, ~4 s of CPU in a process that only tokenizes (preprocess, the RL driver).
+    Written once where a stage makes a model directory; not for a tokenizer of the model's own code."""
+    if trusts_remote_code(model_dir):
+        return
+    import transformers
+    try:
+        chosen = type(transformers.AutoTokenizer.from_pretrained(model_dir))
+    except Exception:  # a tokenizer that does not load: its stages report it, through AutoTokenizer, as before
+        return
+    if getattr(transformers, chosen.__name__, None) is chosen:
+        (Path(model_dir) / TOKENIZER_CLASS_FILE).write_text(json.dumps({"tokenizer_class": chosen.__name__}))
 
 
 # The files of a Hugging Face model directory besides its weights: config, tokenizer, chat template, custom code.
@@ -60,11 +77,17 @@ def link_given_model(source: Path, base_dir: Path, out_dir: Path) -> None:
     """A model the user already has (sft.from, reward_model.from) as a stage's output, trusted as the base model is."""
     link_model(source, out_dir)
     record_remote_code(out_dir, trusts_remote_code(base_dir))
+    record_tokenizer_class(out_dir)
 
 
 def load_tokenizer(path):
-    from transformers import AutoTokenizer
-    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trusts_remote_code(path))
+    recorded = Path(path) / TOKENIZER_CLASS_FILE
+    if recorded.is_file():  # the class AutoTokenizer takes, without importing it (record_tokenizer_class)
+        import transformers
+        tokenizer = getattr(transformers, json.loads(recorded.read_text())["tokenizer_class"]).from_pretrained(path)
+    else:
+        from transformers import AutoTokenizer
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trusts_remote_code(path))
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer

@@ -49,6 +49,7 @@ def run(cfg: Config, inputs: dict, output: Path, tracker) -> None:
         source, count = TOKENIZER_CORPUS
         models.build_tiny(output, cfg.tiny, cfg.seed, [r["text"] for r in load_reviews(source)[:count]])
     models.record_remote_code(output, cfg.trust_remote_code)
+    models.record_tokenizer_class(output)
     model = models.meta_causal_lm(output)  # the architecture without weights: counts a 70B model in no memory
     parameters = sum(p.numel() for p in model.parameters())
     tracker.log_metrics({"parameters": parameters})

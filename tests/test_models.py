@@ -59,6 +59,37 @@ def test_trust_remote_code_follows_the_model_directory(tmp_path, monkeypatch):
     assert (tmp_path / "given" / "model.safetensors").is_symlink()
 
 
+def test_a_recorded_tokenizer_class_loads_what_autotokenizer_loads(tmp_path):
+    """load_tokenizer takes the class that record_tokenizer_class wrote down (AutoTokenizer's choice: for Qwen2 not the
+    class tokenizer_config.json names), in a process that never imports AutoTokenizer and its modelling code."""
+    from transformers import AutoTokenizer
+    from runtime import models
+    texts = ["a small corpus for a small tokenizer, with <|im_end|> and digits 12345"] * 20
+    for architecture in models.LINEAR_LAYERS:
+        model_dir = tmp_path / architecture
+        models.build_tiny(model_dir, {"architecture": architecture, "hidden_size": 64, "num_layers": 1, "num_heads": 2,
+                                      "vocab_size": 300}, 0, texts)
+        models.record_remote_code(model_dir, False)
+        models.record_tokenizer_class(model_dir)
+        auto = AutoTokenizer.from_pretrained(model_dir)
+        recorded = json.loads((model_dir / models.TOKENIZER_CLASS_FILE).read_text())["tokenizer_class"]
+        assert recorded == type(auto).__name__, architecture
+        script = (f"import json, sys; from runtime.models import load_tokenizer; t = load_tokenizer({str(model_dir)!r}); "
+                  f"print(json.dumps([type(t).__name__, t.get_vocab(), t.all_special_tokens, t.chat_template, "
+                  f"t.pad_token, t({texts[0]!r})['input_ids'], "
+                  f"'transformers.models.auto.tokenization_auto' in sys.modules, 'torch' in sys.modules]))")
+        proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO_ROOT, timeout=120)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        name, vocab, specials, template, pad, ids, auto_imported, torch_imported = json.loads(proc.stdout)
+        auto.pad_token = auto.pad_token or auto.eos_token
+        assert [name, vocab, specials, template, pad, ids] == [type(auto).__name__, auto.get_vocab(),
+                                                               auto.all_special_tokens, auto.chat_template,
+                                                               auto.pad_token, auto(texts[0])["input_ids"]]
+        assert not auto_imported and not torch_imported, architecture
+    assert json.loads((tmp_path / "qwen2" / "tokenizer_config.json").read_text())["tokenizer_class"] != \
+        json.loads((tmp_path / "qwen2" / models.TOKENIZER_CLASS_FILE).read_text())["tokenizer_class"]
+
+
 # The base_model stage in a process of its own, as its job runs it: the job's environment first (offline), then the
 # stage on model.path argv[1], writing into argv[2].
 BASE_MODEL_JOB = """import os, sys
