@@ -9,6 +9,8 @@ import csv
 import json
 import math
 import random
+import shutil
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -19,7 +21,7 @@ from mlflow.tracking import MlflowClient
 from transformers import AutoTokenizer
 
 from launcher.config import REPO_ROOT, deep_merge, load_config_files, report_params
-from pipeline_helpers import planned_jobs, planned_outputs, run_dag, snakemake, write_config
+from pipeline_helpers import planned_jobs, planned_outputs, run_dag, snakemake, wait_until, write_config
 from runtime.builtin_data import arithmetic_rows
 from runtime.models import build_tiny
 from stages.report import Config as ReportConfig, describe_experiment
@@ -135,11 +137,11 @@ def run_result(root: Path, proc) -> dict:
             "mlflow": MlflowClient(tracking_uri=f"sqlite:///{root / 'results' / 'mlflow.db'}")}
 
 
-def run_user_experiment(root: Path, architecture: str, chat: bool, cluster_settings: bool = False,
-                        evaluated: tuple = EVALUATED) -> dict:
-    """`cluster_settings`: PPO with the settings of a GPU cluster run that also work on CPU (two vLLM engines, ZeRO-3
-    with the reference and reward model sharded over two ranks, micro-batched forwards, gradient checkpointing).
-    `evaluated`: the models evaluated (and rows of the report's table)."""
+def user_experiment(root: Path, architecture: str, chat: bool, cluster_settings: bool = False,
+                    evaluated: tuple = EVALUATED) -> dict:
+    """A user's files, model and config. `cluster_settings`: PPO with the settings of a GPU cluster run that also work
+    on CPU (two vLLM engines, ZeRO-3 with the reference and reward model sharded over two ranks, micro-batched
+    forwards, gradient checkpointing). `evaluated`: the models evaluated (and rows of the report's table)."""
     files = write_user_files(root / "my_data", chat)
     model_dir = root / f"my-{architecture}"
     build_user_model(model_dir, architecture, files["texts"], chat)
@@ -147,32 +149,64 @@ def run_user_experiment(root: Path, architecture: str, chat: bool, cluster_setti
            "vllm": {"num_engines": 2}} if cluster_settings else {}
     configfile = user_config(root, model_dir, files, chat, ppo,
                              evaluate={"models": list(evaluated), "rewards": [files["reward"], "model"]})
-    proc = run_dag(configfile)
-    return {"root": root, "files": files, "model_dir": model_dir, "results": root / "results" / root.name, "proc": proc,
-            "mlflow": MlflowClient(tracking_uri=f"sqlite:///{root / 'results' / 'mlflow.db'}")}
+    return {"root": root, "files": files, "model_dir": model_dir, "configfile": configfile,
+            "results": root / "results" / root.name}
 
 
 @pytest.fixture(scope="module")
-def qwen2_run(tmp_path_factory):
-    return run_user_experiment(tmp_path_factory.mktemp("qwen2") / "user-qwen2", "qwen2", chat=True,
-                               cluster_settings=True)
+def qwen2_experiment(tmp_path_factory):
+    """The Qwen2 run's files, model and config; "over" is set once the run ended."""
+    qwen2 = user_experiment(tmp_path_factory.mktemp("qwen2") / "user-qwen2", "qwen2", chat=True, cluster_settings=True)
+    return qwen2 | {"over": threading.Event()}
+
+
+@pytest.fixture(scope="module")
+def qwen2_run(qwen2_experiment):
+    try:
+        return qwen2_experiment | run_result(qwen2_experiment["root"], run_dag(qwen2_experiment["configfile"]))
+    finally:
+        qwen2_experiment["over"].set()
 
 
 @pytest.fixture(scope="module", autouse=True)
-def background_runs(request, tmp_path_factory):
-    """The GPT-2 run, then the RL-only run, in a thread of their own from the module's start (those that the
-    module's selected tests name), beside the Qwen2 run and the tests after it: a DAG leaves part of two cores idle
-    (stage start-ups, stretches of one stage), which the other takes. Two DAGs at once, not more: memory. Their
-    models and files are made here, in the main thread (a tiny model's weights come from torch's global seed).
-    Returns a run's result by its fixture's name, once it has ended."""
+def background_runs(request, tmp_path_factory, qwen2_experiment):
+    """The GPT-2 run, the run from the Qwen2 run's SFT model and reward model, and the RL-only run (those that the
+    module's selected tests name), in threads of their own from the module's start, beside the Qwen2 run (in the main
+    thread) and the tests after it: a DAG leaves part of two cores idle (stage start-ups, stretches of one stage),
+    which the other takes. Two DAGs at once, not more (memory): one beside the Qwen2 run, two once it ended. Their
+    models and files are made here, in the main thread (a tiny model's weights come from torch's global seed), after
+    the Qwen2 run's (qwen2_experiment). Returns a run's result by its fixture's name, once it has ended."""
     experiments = {"gpt2_run": (gpt2_experiment, "gpt2", "user-gpt2"),
+                   "given_run": (lambda root: given_experiment(root, qwen2_experiment), "given", "user-given"),
                    "rl_only_run": (rl_only_experiment, "rl-only", "rl-verifiable-reward")}
     prepare = lambda name: experiments[name][0](tmp_path_factory.mktemp(experiments[name][1]) / experiments[name][2])
     wanted = {name for item in request.session.items if item.module is request.module for name in item.fixturenames}
-    with ThreadPoolExecutor(1) as pool:
-        started = {name: pool.submit(plan_and_run, prepare(name)) for name in experiments if name in wanted}
-        yield lambda name: (started.get(name) or started.setdefault(name, pool.submit(plan_and_run, prepare(name)))
-                            ).result()
+    lock, waiting, running = threading.Lock(), [], []  # (slots go to the runs in the order they became ready)
+
+    def take_slot(experiment: dict) -> bool:
+        with lock:
+            if waiting[0] is experiment and len(running) < (2 if qwen2_experiment["over"].is_set() else 1):
+                running.append(waiting.pop(0))
+                return True
+            return False
+
+    def run(experiment: dict) -> dict:
+        experiment.get("ready", lambda: None)()  # (without a slot: another DAG may run meanwhile)
+        with lock:
+            waiting.append(experiment)
+        wait_until(lambda: take_slot(experiment), 3600, "a slot for a DAG")
+        try:
+            return plan_and_run(experiment)
+        finally:
+            with lock:
+                running.remove(experiment)
+
+    with ThreadPoolExecutor(2) as pool:
+        started = {name: pool.submit(run, prepare(name)) for name in experiments if name in wanted}
+        try:
+            yield lambda name: (started.get(name) or started.setdefault(name, pool.submit(run, prepare(name)))).result()
+        finally:
+            qwen2_experiment["over"].set()  # (a given run still waiting for the Qwen2 run's models gives up)
 
 
 def plan_and_run(experiment: dict) -> dict:
@@ -272,19 +306,39 @@ def test_responses_end_with_the_end_of_turn_not_eos(qwen2_run, gpt2_run):
     assert all(r["response"].endswith("<|endoftext|>") for r in base_rows)
 
 
-def test_start_from_a_given_sft_model_and_reward_model(qwen2_run, tmp_path):
-    """The SFT model and reward model of the first experiment, given to a second: nothing is trained for them, RL
-    starts from them, and the report and MLflow say they were given. (No DPO: a method starts from `sft` whatever
-    made it, test_sft_then_dpo_on_the_users_pairs.)"""
-    given_sft, given_rm = qwen2_run["results"] / "sft", qwen2_run["results"] / "reward_model"
-    root = tmp_path / "user-given"
+@pytest.fixture(scope="module")
+def given_run(qwen2_run, background_runs):
+    return background_runs("given_run")
+
+
+def given_experiment(root: Path, qwen2: dict) -> dict:
+    """An experiment given the Qwen2 run's SFT model and reward model: its config; `ready` waits for those models and
+    copies them (Snakemake locks the outputs of the Qwen2 run while it goes on), so that it can run beside the rest
+    of the Qwen2 run."""
+    given = {stage: root / "given" / stage for stage in ("sft", "reward_model")}
+
+    def ready():
+        made = lambda: all((qwen2["results"] / stage / "stage.json").exists() for stage in given)  # (whole, or absent)
+        wait_until(lambda: made() or qwen2["over"].is_set(), 3600)
+        assert made(), "the Qwen2 run ended without its SFT model and reward model"
+        for stage, copy in given.items():
+            shutil.copytree(qwen2["results"] / stage, copy, symlinks=True)
+
     configfile = user_config(
-        root, qwen2_run["model_dir"], qwen2_run["files"], chat=True, sft={"from": str(given_sft)},
-        reward_model={"from": str(given_rm)}, dpo=None,
+        root, qwen2["model_dir"], qwen2["files"], chat=True, sft={"from": str(given["sft"])},
+        reward_model={"from": str(given["reward_model"])}, dpo=None,
         rl={"steps": 2, "eval_prompts": 8, "reward": "model",
             "variants": {"grpo": {"estimator": "group_norm", "policy_loss": "cispo"}}},  # CISPO's loss
         evaluate={"models": ["grpo"], "rewards": ["model"]})
-    proc = run_dag(configfile)
+    return {"root": root, "configfile": configfile, "given": given, "ready": ready}
+
+
+def test_start_from_a_given_sft_model_and_reward_model(given_run):
+    """The SFT model and reward model of the Qwen2 run, given to a second experiment: nothing is trained for them, RL
+    starts from them, and the report and MLflow say they were given. (No DPO: a method starts from `sft` whatever
+    made it, test_sft_then_dpo_on_the_users_pairs.)"""
+    given_sft, given_rm = given_run["given"]["sft"], given_run["given"]["reward_model"]
+    root, proc = given_run["root"], given_run["proc"]
     assert f"sft: using the given model {given_sft} (not trained)" in proc.stdout + proc.stderr
     results = root / "results" / "user-given"
     sft = json.loads((results / "sft" / "metrics.json").read_text())
