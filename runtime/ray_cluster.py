@@ -465,8 +465,11 @@ def _connect(address: str, my_ip: str, proc: subprocess.Popen, log_path: Path, t
     while "Ray runtime started" not in _log_tail(log_path, 1 << 20):
         # A GCS that cannot bind its port says so at once; `ray start` reports it ~40 s later.
         port_taken = [line for err in log_path.parent.glob("r/session_*/logs/gcs_server.err")
-                      for line in _log_tail(err).splitlines() if GCS_PORT_TAKEN in line]
-        if proc.poll() is not None or port_taken or time.time() > deadline:
+                      for line in _log_tail(err, 1 << 20).splitlines() if GCS_PORT_TAKEN in line]
+        if port_taken:  # nothing to drain: `ray start` would wait out its ~40 s for the GCS, deaf to SIGTERM
+            proc.kill()
+            proc.wait()
+        if proc.poll() is not None or time.time() > deadline:
             raise HeadDidNotStart(f"Ray head did not start (exit code {proc.poll()}); its log:\n{_log_tail(log_path)}"
                                   + "".join(f"\n{line}" for line in port_taken))
         time.sleep(0.5)
