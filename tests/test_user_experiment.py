@@ -338,9 +338,8 @@ def test_start_from_a_given_sft_model_and_reward_model(given_run):
     starts from them, and the report and MLflow say they were given. (No DPO: a method starts from `sft` whatever
     made it, test_sft_then_dpo_on_the_users_pairs.)"""
     given_sft, given_rm = given_run["given"]["sft"], given_run["given"]["reward_model"]
-    root, proc = given_run["root"], given_run["proc"]
+    root, proc, results = given_run["root"], given_run["proc"], given_run["results"]
     assert f"sft: using the given model {given_sft} (not trained)" in proc.stdout + proc.stderr
-    results = root / "results" / "user-given"
     sft = json.loads((results / "sft" / "metrics.json").read_text())
     assert sft["steps"] == 0 and sft["given"] == str(given_sft) and not (results / "sft" / "train_log.jsonl").exists()
     assert (results / "sft" / "model.safetensors").resolve() == (given_sft / "model.safetensors").resolve()
