@@ -1,6 +1,7 @@
 import collections
 import os
 import signal
+import sys
 import time
 
 import pytest
@@ -9,6 +10,24 @@ from pipeline_helpers import finish_dag, start_dag, write_config
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 SESSION_START = time.monotonic()
+CPU_TIME = collections.Counter()  # per test file: the machine's CPU seconds, all processes, busy and in all
+
+
+def cpu_seconds() -> tuple[float, float]:
+    """(busy, all) CPU seconds of the whole machine since boot, from /proc/stat (idle and iowait count as idle)."""
+    fields = [int(x) for x in open("/proc/stat").readline().split()[1:]]
+    ticks = os.sysconf("SC_CLK_TCK")
+    return (sum(fields) - fields[3] - fields[4]) / ticks, sum(fields) / ticks
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item):
+    busy, total = cpu_seconds()
+    yield
+    busy_after, total_after = cpu_seconds()
+    path = item.nodeid.split("::")[0]
+    CPU_TIME[path, "busy"] += busy_after - busy
+    CPU_TIME[path, "all"] += total_after - total
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -38,11 +57,40 @@ def tiny_run(tiny_dag):
             "mlflow_uri": f"sqlite:///{root / 'results' / 'mlflow.db'}"}
 
 
+@pytest.fixture(scope="session", autouse=True)
+def user_runs(request, tmp_path_factory, tiny_dag):
+    """tests/test_user_experiment.py's DAG runs that the session's tests read, in the background from the session's
+    start once the tiny DAG has ended (test_user_experiment.UserRuns); None where no test reads one."""
+    module = sys.modules.get("test_user_experiment")  # (there where the session collected it)
+    wanted = {name for item in request.session.items for name in item.fixturenames if name in module.USER_RUNS} \
+        if module else set()
+    if not wanted:
+        yield None
+        return
+    runs = module.UserRuns(tmp_path_factory, wanted,
+                           busy=lambda: tiny_dag is not None and tiny_dag[2].poll() is None)
+    try:
+        yield runs
+    finally:
+        runs.close()
+
+
+@pytest.fixture
+def quiet_machine(user_runs):
+    """For a test that times something against a limit: no background DAG runs meanwhile."""
+    if user_runs is None:
+        yield
+        return
+    with user_runs.quiet():
+        yield
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_terminal_summary(terminalreporter):
     """Where the run's time went, per test file (setup, call and teardown; a shared fixture counts in the file that
     first uses it: the tiny DAG, which starts with the session, as the wait for its end), after pytest's slowest tests
-    (--durations): so that growth shows in every `make test`."""
+    (--durations): so that growth shows in every `make test`. Beside each, how busy the machine's CPUs were meanwhile
+    (all processes): where they idle, a test waits (on Slurm, a timeout, a stall) and something could run beside it."""
     per_file = collections.Counter()
     for reports in terminalreporter.stats.values():
         for report in reports:
@@ -52,5 +100,7 @@ def pytest_terminal_summary(terminalreporter):
         return
     terminalreporter.write_sep("=", "time per test file")
     for path, seconds in per_file.most_common():
-        terminalreporter.write_line(f"{seconds:7.0f} s  {path}")
+        all_s = CPU_TIME[path, "all"]
+        busy = f"{100 * CPU_TIME[path, 'busy'] / all_s:3.0f}% busy" if all_s else ""
+        terminalreporter.write_line(f"{seconds:7.0f} s  {busy:9}  {path}")
     terminalreporter.write_line(f"{time.monotonic() - SESSION_START:7.0f} s  in all (wall clock, collection included)")

@@ -5,11 +5,13 @@ data"), each holding only its stages: RL with a verifiable reward on a given ins
 tiny Mistral) and the full RLHF chain (GPT-2, a base model) run; SFT then DPO on the user's pairs is planned, its
 stages being the Qwen2 run's; then an experiment started from an SFT model and a reward model the user already has.
 Each run goes through the real parts."""
+import contextlib
 import csv
 import json
 import math
 import random
 import shutil
+import signal
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -21,7 +23,7 @@ from mlflow.tracking import MlflowClient
 from transformers import AutoTokenizer
 
 from launcher.config import REPO_ROOT, deep_merge, load_config_files, report_params
-from pipeline_helpers import planned_jobs, planned_outputs, run_dag, snakemake, wait_until, write_config
+from pipeline_helpers import finish_dag, planned_jobs, planned_outputs, snakemake, start_dag, wait_until, write_config
 from runtime.builtin_data import arithmetic_rows
 from runtime.models import build_tiny
 from stages.report import Config as ReportConfig, describe_experiment
@@ -153,71 +155,98 @@ def user_experiment(root: Path, architecture: str, chat: bool, cluster_settings:
             "results": root / "results" / root.name}
 
 
-@pytest.fixture(scope="module")
-def qwen2_experiment(tmp_path_factory):
-    """The Qwen2 run's files, model and config; "over" is set once the run ended."""
-    qwen2 = user_experiment(tmp_path_factory.mktemp("qwen2") / "user-qwen2", "qwen2", chat=True, cluster_settings=True)
-    return qwen2 | {"over": threading.Event()}
+def qwen2_experiment(root: Path) -> dict:
+    """Every stage through the user's Qwen2 chat model, with the settings of a GPU cluster run that work on CPU."""
+    return user_experiment(root, "qwen2", chat=True, cluster_settings=True)
 
 
-@pytest.fixture(scope="module")
-def qwen2_run(qwen2_experiment):
-    try:
-        return qwen2_experiment | run_result(qwen2_experiment["root"], run_dag(qwen2_experiment["configfile"]))
-    finally:
-        qwen2_experiment["over"].set()
+class UserRuns:
+    """The module's DAG runs that the session's tests read (`wanted`, fixture names of USER_RUNS), in threads of their
+    own from the session's start (tests/conftest.py's `user_runs`): a DAG leaves part of two cores idle (stage
+    start-ups, stretches of one stage), and so do most tests of the modules before this one (one Python process, a
+    wait on a subprocess, on Slurm, on a stall); the runs take that. None while `busy()` (the tiny DAG runs: its tests
+    come first), nor while a test needs the machine to itself (`quiet`); one at a time beside other modules' tests,
+    two once a test waits for a run (this module: two DAGs at once, not more, for memory); slots go to the runs in
+    USER_RUNS's order, the given-model run once the Qwen2 run's models exist. Their models and files are made at once, in the main thread (a tiny model's weights
+    come from torch's global seed). `result(name)` returns a run's result once it has ended."""
 
+    def __init__(self, tmp_path_factory, wanted: set, busy):
+        self.busy, self.lock, self.running = busy, threading.Lock(), []
+        self.awaited, self.paused, self.closing, self.procs = False, 0, False, []
+        made = {}
+        for name, (make, directory, experiment) in USER_RUNS.items():
+            if name in wanted:
+                root = tmp_path_factory.mktemp(directory) / experiment
+                made[name] = (make(root, made["qwen2_run"]) if name == "given_run" else make(root)) \
+                    | {"over": threading.Event()}
+        self.waiting = [experiment for experiment in made.values() if "ready" not in experiment]  # (in this order)
+        self.pool = ThreadPoolExecutor(len(made))
+        self.started = {name: self.pool.submit(self._run, experiment) for name, experiment in made.items()}
 
-@pytest.fixture(scope="module", autouse=True)
-def background_runs(request, tmp_path_factory, qwen2_experiment):
-    """The GPT-2 run, the run from the Qwen2 run's SFT model and reward model, and the RL-only run (those that the
-    module's selected tests name), in threads of their own from the module's start, beside the Qwen2 run (in the main
-    thread) and the tests after it: a DAG leaves part of two cores idle (stage start-ups, stretches of one stage),
-    which the other takes. Two DAGs at once, not more (memory): one beside the Qwen2 run, two once it ended. Their
-    models and files are made here, in the main thread (a tiny model's weights come from torch's global seed), after
-    the Qwen2 run's (qwen2_experiment). Returns a run's result by its fixture's name, once it has ended."""
-    experiments = {"gpt2_run": (gpt2_experiment, "gpt2", "user-gpt2"),
-                   "given_run": (lambda root: given_experiment(root, qwen2_experiment), "given", "user-given"),
-                   "rl_only_run": (rl_only_experiment, "rl-only", "rl-verifiable-reward")}
-    prepare = lambda name: experiments[name][0](tmp_path_factory.mktemp(experiments[name][1]) / experiments[name][2])
-    wanted = {name for item in request.session.items if item.module is request.module for name in item.fixturenames}
-    lock, waiting, running = threading.Lock(), [], []  # (slots go to the runs in the order they became ready)
+    def result(self, name: str) -> dict:
+        with self.lock:
+            self.awaited = True
+        return self.started[name].result()
 
-    def take_slot(experiment: dict) -> bool:
-        with lock:
-            if waiting[0] is experiment and len(running) < (2 if qwen2_experiment["over"].is_set() else 1):
-                running.append(waiting.pop(0))
+    @contextlib.contextmanager
+    def quiet(self):
+        """No run starts meanwhile; the running ones end first."""
+        with self.lock:
+            self.paused += 1
+        try:
+            wait_until(lambda: not self.running, 3600, "the user-experiment DAGs to end")
+            yield
+        finally:
+            with self.lock:
+                self.paused -= 1
+
+    def close(self):
+        """The session ended: runs not started give up, running ones are stopped as Ctrl-C stops them."""
+        with self.lock:
+            self.closing = True
+            for proc in self.procs:
+                if proc.poll() is None:
+                    proc.send_signal(signal.SIGINT)
+        self.pool.shutdown()
+
+    def _take_slot(self, experiment: dict) -> bool:
+        with self.lock:
+            assert not self.closing, "the session ended"
+            slots = 0 if self.paused or self.busy() else 2 if self.awaited else 1
+            if self.waiting[0] is experiment and len(self.running) < slots:
+                self.running.append(self.waiting.pop(0))
                 return True
             return False
 
-    def run(experiment: dict) -> dict:
-        experiment.get("ready", lambda: None)()  # (without a slot: another DAG may run meanwhile)
-        with lock:
-            waiting.append(experiment)
-        wait_until(lambda: take_slot(experiment), 3600, "a slot for a DAG")
+    def _run(self, experiment: dict) -> dict:
         try:
-            return plan_and_run(experiment)
+            if "ready" in experiment:
+                experiment["ready"]()  # (without a slot: another DAG may run meanwhile)
+                with self.lock:
+                    self.waiting.append(experiment)
+            wait_until(lambda: self._take_slot(experiment), 7200, "a slot for a DAG")
+            try:
+                plan = snakemake(experiment["configfile"], "all", "--dry-run").stdout
+                with self.lock:
+                    assert not self.closing, "the session ended"
+                    proc = start_dag(experiment["configfile"], experiment["root"])
+                    self.procs.append(proc)
+                return experiment | run_result(experiment["root"], finish_dag(proc, experiment["root"])) | {"plan": plan}
+            finally:
+                with self.lock:
+                    self.running.remove(experiment)
         finally:
-            with lock:
-                running.remove(experiment)
-
-    with ThreadPoolExecutor(2) as pool:
-        started = {name: pool.submit(run, prepare(name)) for name in experiments if name in wanted}
-        try:
-            yield lambda name: (started.get(name) or started.setdefault(name, pool.submit(run, prepare(name)))).result()
-        finally:
-            qwen2_experiment["over"].set()  # (a given run still waiting for the Qwen2 run's models gives up)
-
-
-def plan_and_run(experiment: dict) -> dict:
-    """An experiment's plan (`snakemake all --dry-run`), then its DAG run."""
-    plan = snakemake(experiment["configfile"], "all", "--dry-run").stdout
-    return experiment | run_result(experiment["root"], run_dag(experiment["configfile"])) | {"plan": plan}
+            experiment["over"].set()
 
 
 @pytest.fixture(scope="module")
-def gpt2_run(background_runs):
-    return background_runs("gpt2_run")
+def qwen2_run(user_runs):
+    return user_runs.result("qwen2_run")
+
+
+@pytest.fixture(scope="module")
+def gpt2_run(user_runs):
+    return user_runs.result("gpt2_run")
 
 
 def gpt2_experiment(root: Path) -> dict:
@@ -307,8 +336,8 @@ def test_responses_end_with_the_end_of_turn_not_eos(qwen2_run, gpt2_run):
 
 
 @pytest.fixture(scope="module")
-def given_run(qwen2_run, background_runs):
-    return background_runs("given_run")
+def given_run(qwen2_run, user_runs):
+    return user_runs.result("given_run")
 
 
 def given_experiment(root: Path, qwen2: dict) -> dict:
@@ -388,9 +417,15 @@ def rl_only_experiment(root: Path) -> dict:
             "model_dir": model_dir}
 
 
+# The runs UserRuns makes, in this order: (how, its temporary directory, its experiment's name and directory).
+USER_RUNS = {"qwen2_run": (qwen2_experiment, "qwen2", "user-qwen2"), "given_run": (given_experiment, "given", "user-given"),
+             "gpt2_run": (gpt2_experiment, "gpt2", "user-gpt2"),
+             "rl_only_run": (rl_only_experiment, "rl-only", "rl-verifiable-reward")}
+
+
 @pytest.fixture(scope="module")
-def rl_only_run(background_runs):
-    return background_runs("rl_only_run")
+def rl_only_run(user_runs):
+    return user_runs.result("rl_only_run")
 
 
 def test_rl_only_experiment_holds_only_its_stages(rl_only_run):
