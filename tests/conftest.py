@@ -20,6 +20,18 @@ def cpu_seconds() -> tuple[float, float]:
     return (sum(fields) - fields[3] - fields[4]) / ticks, sum(fields) / ticks
 
 
+# Test files that mostly wait (dry runs of one process, a server started or killed, a job's processes dying; 35-55%
+# of two cores busy when alone): they run right after the Slurm tests, beside the user-experiment DAGs (`user_runs`),
+# which take the cores they leave idle; the files that keep both cores busy come after them.
+WAITING_FILES = ("test_checks_before_queueing.py", "test_weight_sync.py", "test_tracking_faults.py",
+                 "test_ray_security.py", "test_pipeline_e2e.py", "test_orphans_and_locks.py")
+
+
+def pytest_collection_modifyitems(items):
+    """The Slurm tests first (the tiny DAG runs beside them), then WAITING_FILES, then the rest; each in file order."""
+    items.sort(key=lambda item: (item.path.parent.name != "slurm", item.path.name not in WAITING_FILES))
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item):
     busy, total = cpu_seconds()
