@@ -20,16 +20,20 @@ def cpu_seconds() -> tuple[float, float]:
     return (sum(fields) - fields[3] - fields[4]) / ticks, sum(fields) / ticks
 
 
-# Test files that mostly wait (dry runs of one process, a server started or killed, a job's processes dying; 35-55%
-# of two cores busy when alone): they run right after the Slurm tests, beside the user-experiment DAGs (`user_runs`),
-# which take the cores they leave idle; the files that keep both cores busy come after them.
-WAITING_FILES = ("test_checks_before_queueing.py", "test_weight_sync.py", "test_tracking_faults.py",
-                 "test_ray_security.py", "test_pipeline_e2e.py", "test_orphans_and_locks.py")
+# The order of the session's test files, each keeping its tests' order: the Slurm tests first, beside the tiny DAG
+# (`tiny_dag`); then the rest, beside the user-experiment DAGs (`user_runs`), which take the cores they leave idle;
+# then test_user_experiment.py, whose tests wait for those DAGs; last the files that time something against a limit
+# (TIMED_FILES: a refusal within seconds, a stall within its limit), with the machine to themselves: beside a DAG, a
+# dry run's refusal took up to 29 s instead of 2-3.
+TIMED_FILES = ("test_checks_before_queueing.py", "test_config.py", "test_stall_watch.py")
 
 
 def pytest_collection_modifyitems(items):
-    """The Slurm tests first (the tiny DAG runs beside them), then WAITING_FILES, then the rest; each in file order."""
-    items.sort(key=lambda item: (item.path.parent.name != "slurm", item.path.name not in WAITING_FILES))
+    def group(item) -> int:
+        name = item.path.name
+        return 0 if item.path.parent.name == "slurm" else 2 if name == "test_user_experiment.py" else \
+            3 if name in TIMED_FILES else 1
+    items.sort(key=group)
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -85,16 +89,6 @@ def user_runs(request, tmp_path_factory, tiny_dag):
         yield runs
     finally:
         runs.close()
-
-
-@pytest.fixture
-def quiet_machine(user_runs):
-    """For a test that times something against a limit: no background DAG runs meanwhile."""
-    if user_runs is None:
-        yield
-        return
-    with user_runs.quiet():
-        yield
 
 
 @pytest.hookimpl(trylast=True)

@@ -188,7 +188,6 @@ def reward_fn(prompts, completions, labels):
 
 
 @pytest.mark.e2e
-@pytest.mark.usefixtures("quiet_machine")  # (its start-up's milestones within STAGE_LIMIT_MIN)
 def test_a_reward_function_that_hangs_in_an_rl_stage_is_caught(tiny_run, tmp_path):
     """(The requeue of a stalled job: test_a_job_that_stalls_twice_fails_after_one_requeue; a stage's resume from
     its checkpoint in a requeued job: tests/test_rl_resume.py.)"""

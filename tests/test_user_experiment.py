@@ -5,7 +5,6 @@ data"), each holding only its stages: RL with a verifiable reward on a given ins
 tiny Mistral) and the full RLHF chain (GPT-2, a base model) run; SFT then DPO on the user's pairs is planned, its
 stages being the Qwen2 run's; then an experiment started from an SFT model and a reward model the user already has.
 Each run goes through the real parts."""
-import contextlib
 import csv
 import json
 import math
@@ -163,16 +162,15 @@ def qwen2_experiment(root: Path) -> dict:
 class UserRuns:
     """The module's DAG runs that the session's tests read (`wanted`, fixture names of USER_RUNS), in threads of their
     own from the session's start (tests/conftest.py's `user_runs`): a DAG leaves part of two cores idle (stage
-    start-ups, stretches of one stage), and so do most tests of the modules before this one (one Python process, a
-    wait on a subprocess, on Slurm, on a stall); the runs take that. None while `busy()` (the tiny DAG runs: its tests
-    come first), nor while a test needs the machine to itself (`quiet`); one at a time beside other modules' tests,
-    two once a test waits for a run (this module: two DAGs at once, not more, for memory); slots go to the runs in
-    USER_RUNS's order, the given-model run once the Qwen2 run's models exist. Their models and files are made at once, in the main thread (a tiny model's weights
-    come from torch's global seed). `result(name)` returns a run's result once it has ended."""
+    start-ups, stretches of one stage), and so do most test files, which run beside them. None while `busy()` (the tiny DAG runs: its tests come first); one at a time beside other files'
+    tests, two once a test waits for a run (two DAGs at once, not more, for memory); slots go to the runs in
+    USER_RUNS's order, the given-model run once the Qwen2 run's models exist. Their models and files are made at
+    once, in the main thread (a tiny model's weights come from torch's global seed). `result(name)` returns a run's
+    result once it has ended."""
 
     def __init__(self, tmp_path_factory, wanted: set, busy):
         self.busy, self.lock, self.running = busy, threading.Lock(), []
-        self.awaited, self.paused, self.closing, self.procs = False, 0, False, []
+        self.awaited, self.closing, self.procs = False, False, []
         made = {}
         for name, (make, directory, experiment) in USER_RUNS.items():
             if name in wanted:
@@ -188,18 +186,6 @@ class UserRuns:
             self.awaited = True
         return self.started[name].result()
 
-    @contextlib.contextmanager
-    def quiet(self):
-        """No run starts meanwhile; the running ones end first."""
-        with self.lock:
-            self.paused += 1
-        try:
-            wait_until(lambda: not self.running, 3600, "the user-experiment DAGs to end")
-            yield
-        finally:
-            with self.lock:
-                self.paused -= 1
-
     def close(self):
         """The session ended: runs not started give up, running ones are stopped as Ctrl-C stops them."""
         with self.lock:
@@ -212,7 +198,7 @@ class UserRuns:
     def _take_slot(self, experiment: dict) -> bool:
         with self.lock:
             assert not self.closing, "the session ended"
-            slots = 0 if self.paused or self.busy() else 2 if self.awaited else 1
+            slots = 0 if self.busy() else 2 if self.awaited else 1
             if self.waiting[0] is experiment and len(self.running) < slots:
                 self.running.append(self.waiting.pop(0))
                 return True
