@@ -162,11 +162,11 @@ def qwen2_experiment(root: Path) -> dict:
 class UserRuns:
     """The module's DAG runs that the session's tests read (`wanted`, fixture names of USER_RUNS), in threads of their
     own from the session's start (tests/conftest.py's `user_runs`): a DAG leaves part of two cores idle (stage
-    start-ups, stretches of one stage), and so do most test files, which run beside them. None while `busy()` (the tiny DAG runs: its tests come first); one at a time beside other files'
-    tests, two once a test waits for a run (two DAGs at once, not more, for memory); slots go to the runs in
-    USER_RUNS's order, the given-model run once the Qwen2 run's models exist. Their models and files are made at
-    once, in the main thread (a tiny model's weights come from torch's global seed). `result(name)` returns a run's
-    result once it has ended."""
+    start-ups, stretches of one stage), and so do most test files, which run beside them. None while `busy()` (the
+    tiny DAG runs: its tests come first); one at a time beside other files' tests, two once a test waits for a run
+    (two DAGs at once, not more, for memory); slots go to the runs in USER_RUNS's order, the given-model run once the
+    Qwen2 run's models exist. Their models and files are made at once, in the main thread (a tiny model's weights
+    come from torch's global seed). `result(name)` returns a run's result once it has ended."""
 
     def __init__(self, tmp_path_factory, wanted: set, busy):
         self.busy, self.lock, self.running = busy, threading.Lock(), []
