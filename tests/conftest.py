@@ -3,6 +3,7 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -15,7 +16,7 @@ CPU_TIME = collections.Counter()  # per test file: the machine's CPU seconds, al
 
 def cpu_seconds() -> tuple[float, float]:
     """(busy, all) CPU seconds of the whole machine since boot, from /proc/stat (idle and iowait count as idle)."""
-    fields = [int(x) for x in open("/proc/stat").readline().split()[1:]]
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
     ticks = os.sysconf("SC_CLK_TCK")
     return (sum(fields) - fields[3] - fields[4]) / ticks, sum(fields) / ticks
 
