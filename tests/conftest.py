@@ -7,9 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from pipeline_helpers import finish_dag, start_dag, write_config
-
+# Set before anything loads torch's OpenMP runtime; every job, stage and Ray worker of the session inherits it. Here
+# DAGs and tests share 2 cores, and OpenMP's threads by default spin while they wait at the end of each parallel
+# region, on cores the other processes need: two 2-thread torch trainers side by side (a tiny GPT-2, this 2-core
+# machine) ran 1.7 it/s each spinning, 3.3-4.2 passive; alone, 7.2-8.0 spinning and 5.4-7.1 passive.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from pipeline_helpers import finish_dag, start_dag, write_config  # noqa: E402
 SESSION_START = time.monotonic()
 CPU_TIME = collections.Counter()  # per test file: the machine's CPU seconds, all processes, busy and in all
 
