@@ -15,6 +15,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from pipeline_helpers import finish_dag, start_dag, write_config  # noqa: E402
+
 SESSION_START = time.monotonic()
 CPU_TIME = collections.Counter()  # per test file: the machine's CPU seconds, all processes, busy and in all
 
