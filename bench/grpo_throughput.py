@@ -2,7 +2,7 @@
 
     make bench-grpo       # or: .venv/bin/python bench/grpo_throughput.py   (9 steps, the first excluded)
     .venv/bin/python bench/grpo_throughput.py --sides alignpipe,alignpipe-async,alignpipe-packed   # no TRL
-    .venv/bin/python bench/grpo_throughput.py --tiny --steps 2 --sides alignpipe-async,alignpipe-packed   # tests
+    .venv/bin/python bench/grpo_throughput.py --tiny --steps 2 --sides alignpipe-async   # tests/test_benches.py
 Both run GRPO on SmolLM2-135M-Instruct, fp32, on all of this machine's cores, and do the same work per step:
 - the same prompts in the same steps: the IMDB-opening prompts in order, step s gets prompts 4s..4s+3 (TRL with
   shuffle_dataset=False), 4 samples each, temperature and top_p the rl stage's (1.0, 1.0 by default);

@@ -57,9 +57,10 @@ def role_pools(reviews: list, seed: int, label) -> dict[str, list]:
             "preference": train_pool[len(train_pool) // 2:], "eval": held_out}
 
 
-def movie_review_rows(source: str, role: str, count: int, seed: int, options: dict, fit_response) -> list[dict]:
-    """Up to `count` rows of `role` (fewer only if the reviews run out). `fit_response` cuts a response as the
-    preprocess stage will (its token limit), so that pairs are judged on the text a model sees."""
+def movie_review_rows(source: str, role: str, count: int, seed: int, options: dict, fit_responses) -> list[dict]:
+    """Up to `count` rows of `role` (fewer only if the reviews run out). `fit_responses` cuts a list of responses as
+    the preprocess stage will (its token limit), so that pairs are judged on the text a model sees; it takes them all
+    at once (a tokenizer's batch: 10,000 reviews in half the time of one by one)."""
     pool = role_pools(load_reviews(source), seed, lambda review: review["label"])[role]
     prompt = lambda opening: f"{options['instruction']} {opening}"
     split = [(r["label"], parts) for r in pool if (parts := split_review(r, options["prompt_words"]))]
@@ -69,7 +70,7 @@ def movie_review_rows(source: str, role: str, count: int, seed: int, options: di
     # Pairs keep only continuations whose sentiment agrees with their review's label by pair_min_sentiment (the
     # middle of a review is often neutral, and two neutral snippets teach nothing). Each text is used once while the
     # pool lasts (a reward model learns to recognise repeated texts, not their sentiment), then reused evenly.
-    polarity = rewards.sentiment([fit_response(text) for _, (_, text) in split])
+    polarity = rewards.sentiment(fit_responses([text for _, (_, text) in split])) if split else []
     threshold = options["pair_min_sentiment"]
     positives = [text for (label, (_, text)), s in zip(split, polarity) if label == 1 and s >= threshold]
     negatives = [text for (label, (_, text)), s in zip(split, polarity) if label == 0 and s <= -threshold]
@@ -104,12 +105,12 @@ def arithmetic_rows(role: str, count: int, seed: int) -> list[dict]:
     return rows
 
 
-def builtin_rows(path: str, role: str, count: int, seed: int, options: dict, fit_response) -> list[dict]:
+def builtin_rows(path: str, role: str, count: int, seed: int, options: dict, fit_responses) -> list[dict]:
     """The rows of `builtin:<name>` for `role`."""
     name = path.split(":", 1)[1]
     if name == "arithmetic":
         return arithmetic_rows(role, count, seed)
-    return movie_review_rows(name, role, count, seed, options, fit_response)
+    return movie_review_rows(name, role, count, seed, options, fit_responses)
 
 
 @functools.lru_cache(maxsize=None)

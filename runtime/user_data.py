@@ -243,7 +243,7 @@ def first_prompts(role: str, spec: dict, count: int, seed: int, builtin: dict) -
     the template is preprocess's), labels None without a label_key."""
     if is_builtin(spec["path"]):
         from runtime.builtin_data import builtin_rows
-        rows = builtin_rows(spec["path"], role, count, seed, builtin, lambda text: text)
+        rows = builtin_rows(spec["path"], role, count, seed, builtin, lambda texts: texts)
     else:
         rows = [row for row in itertools.islice(local_rows(spec), 100) if not row_problems(role, spec, row)][:count]
     inputs = [row[spec["input_key"]] for row in rows]

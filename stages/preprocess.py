@@ -156,7 +156,9 @@ class Formatter:
 
 def read_rows(role: str, spec: dict, cfg: Config, formatter: Formatter) -> list[dict]:
     if is_builtin(spec["path"]):
-        as_seen = lambda text: formatter.tokenizer.decode(formatter.tokens(text)[:cfg.max_response_tokens])
+        tokenizer = formatter.tokenizer
+        as_seen = lambda texts: tokenizer.batch_decode(
+            [ids[:cfg.max_response_tokens] for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]])
         return builtin_rows(spec["path"], role, spec["max_samples"], cfg.seed, cfg.builtin, as_seen)
     return load_records(spec)
 

@@ -29,10 +29,10 @@ def run_bench(script: str, *args: str) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize("script, rate", [("dpo_throughput.py", "pairs_per_second"),
                                           ("grpo_throughput.py", "samples_per_second")], ids=["dpo", "grpo"])
 def test_throughput_bench_runs_a_tiny_step(tmp_path, tiny_model, script, rate):
-    """GRPO's bench: its asynchronous and packed sides (the plain side's path with one setting changed; two steps,
-    so that a rollout is generated ahead)."""
+    """GRPO's bench: its asynchronous side, two steps so that a rollout is generated ahead (the plain and packed
+    sides run the same path with one setting changed: test_every_grpo_bench_side_is_a_valid_rl_config)."""
     out = tmp_path / "result.json"
-    sides, steps = (["alignpipe-async", "alignpipe-packed"], 2) if script == "grpo_throughput.py" else (["alignpipe"], 1)
+    sides, steps = (["alignpipe-async"], 2) if script == "grpo_throughput.py" else (["alignpipe"], 1)
     run_bench(script, "--tiny", "--steps", str(steps), "--warmup", "0", "--sides", ",".join(sides), "--model",
               str(tiny_model), "--out", str(out))
     result = json.loads(out.read_text())
@@ -44,6 +44,20 @@ def test_throughput_bench_runs_a_tiny_step(tmp_path, tiny_model, script, rate):
         if script == "grpo_throughput.py":  # each phase of the rl stage's step was timed
             assert set(side["phase_seconds"]) == {"generate", "make_experience", "train", "weight_sync"}
             assert all(seconds > 0 for seconds in side["phase_seconds"].values())
+
+
+def test_every_grpo_bench_side_is_a_valid_rl_config(monkeypatch):
+    """Each alignpipe side of GRPO's bench is the rl stage's Config with its one setting changed, as the schema
+    takes it."""
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    import grpo_throughput
+    assert set(grpo_throughput.ALIGNPIPE_SIDES) == {"alignpipe", "alignpipe-async", "alignpipe-packed"}
+    plain = grpo_throughput.rl_config(2, 0, 1)
+    for changed in grpo_throughput.ALIGNPIPE_SIDES.values():
+        cfg = grpo_throughput.rl_config(2, 0, 1, changed)
+        assert {key: getattr(cfg, key) for key in changed} == changed
+        assert {k: v for k, v in vars(cfg).items() if k not in changed} == \
+               {k: v for k, v in vars(plain).items() if k not in changed}
 
 
 def test_deepspeed_step_bench_runs_a_tiny_step(tmp_path, tiny_model):

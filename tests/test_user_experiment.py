@@ -19,6 +19,7 @@ import pandas
 import pytest
 import yaml
 from mlflow.tracking import MlflowClient
+from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
 from launcher.config import REPO_ROOT, deep_merge, load_config_files, report_params
@@ -307,6 +308,29 @@ def test_cluster_settings_run_on_cpu(qwen2_run):
     assert "ZeRO-3 ranks" in log and log.count("VLLMEngine pid=") and "held-out reward" in log
     metrics = json.loads((qwen2_run["results"] / "rl" / "ppo" / "seed0" / "metrics.json").read_text())
     assert metrics["steps"] == 4 and math.isfinite(metrics["final_kl"])
+
+
+def test_ppo_with_lora_syncs_and_exports_the_merged_policy(qwen2_run):
+    """The qwen2 run's PPO trains LoRA adapters (policy and critic, the default q_proj and v_proj) under ZeRO-3: vLLM
+    samples from the merged policy the trainer trains (its log-probs equal the trainer's at every step), and the
+    exported model is a plain model in which only the adapted layers changed."""
+    results = qwen2_run["results"]
+    log_text = (results / "logs" / "rl-ppo-seed0.log").read_text()
+    assert "[PolicyWorker] LoRA r4 on q_proj, v_proj" in log_text and "[CriticWorker] LoRA r4" in log_text
+    log = data_rows(results / "rl" / "ppo" / "seed0" / "train_log.jsonl")
+    assert [s["step"] for s in log] == [1, 2, 3, 4]
+    for step in log[1:]:  # from step 2 on vLLM serves weights synced from the LoRA trainer
+        assert step["vllm_logprob_gap"] < 1e-4, f"step {step['step']}: vLLM samples from other weights"
+    sft = load_file(results / "sft" / "model.safetensors")
+    exported = load_file(results / "rl" / "ppo" / "seed0" / "model.safetensors")
+    assert set(exported) == set(sft), "the export is the plain model: no adapter tensors"
+    adapted = {name for name in sft if name.endswith(("q_proj.weight", "v_proj.weight"))}
+    assert adapted
+    for name in sft:
+        if name in adapted:
+            assert not exported[name].equal(sft[name]), f"{name} has adapters but did not change"
+        else:
+            assert exported[name].equal(sft[name]), f"{name} is frozen under LoRA but changed"
 
 
 def test_responses_end_with_the_end_of_turn_not_eos(qwen2_run, gpt2_run):
