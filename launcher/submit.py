@@ -13,6 +13,8 @@ succeeds.
 
 Stalls: a job whose stall watch failed it (no step for launcher.stall_min: runtime/progress.py) is submitted once
 more where launcher.requeue_stalled allows it; it resumes from its last checkpoint, and a second stall fails it.
+A job that died while its Ray cluster came up (task 0's log shows its head starting and no cluster up: a node's Ray
+services failed, before the stage itself began) is submitted once more; a second such failure fails the stage.
 
 No orphans, no double runs. While it waits, the launcher watches the Snakemake that started it: if Snakemake is
 stopped (Ctrl-C, SIGTERM, SIGHUP) or dies (kill -9: the launcher is orphaned), it cancels its job (Slurm: scancel;
@@ -53,6 +55,7 @@ from launcher.supervise import ACTIVE_STATES, OutputLock, StageFailed, Orphaned,
 from runtime.checkpoints import UnsafeDirectory, refuse_world_writable
 from runtime.job import StageJob
 from runtime.progress import STALL_MARK
+from runtime.ray_cluster import CLUSTER_UP, HEAD_STARTING, KEPT_LOGS
 
 FINAL_WAIT_S = 60          # how long a finished job's output may take to appear (network file systems)
 STATE_POLL_S = 10          # how often the Slurm state is checked while a job runs
@@ -138,7 +141,6 @@ def launch_stage(job: dict, job_io: dict, output: str) -> None:
     inputs = {k: str(Path(v).resolve()) if isinstance(v, str) else [str(Path(p).resolve()) for p in v]
               for k, v in job_io["inputs"].items()}
     output_path = Path(output).resolve()
-    partial = output_path.with_name(output_path.name + ".partial")
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S-%f")
     log_dir = results_root(context) / context["experiment"] / "logs" / run_name.replace("/", "-") / stamp
     try:  # the job loads its pickle from there, and this launcher the job's result
@@ -151,16 +153,21 @@ def launch_stage(job: dict, job_io: dict, output: str) -> None:
                         checkpoint_dir=str(checkpoint_dir(context, run_name, job["config"])),
                         hub_downloads=context["launcher"]["hub_downloads"])
     with OutputLock(output_path, run_name) as lock:  # refuses while another job produces this output
-        attempts = 2 if resources["requeue_stalled"] else 1
-        for attempt in range(1, attempts + 1):
+        retries = {StageStalled: 1 if resources["requeue_stalled"] else 0, RayNotUp: 1}
+        while True:
             try:
                 submitted, logs = run_job(job_spec, resources, log_dir, lock, watch)
                 break
-            except StageStalled as err:
-                if attempt == attempts:
+            except JobFailed as err:
+                if not retries[type(err)]:
                     raise
-                print(f"[alignpipe] {run_name}: job {err.job_id} stalled; submitted once more "
-                      "(launcher.requeue_stalled): the stage resumes from its last checkpoint", flush=True)
+                retries[type(err)] -= 1
+                if isinstance(err, StageStalled):
+                    print(f"[alignpipe] {run_name}: job {err.job_id} stalled; submitted once more "
+                          "(launcher.requeue_stalled): the stage resumes from its last checkpoint", flush=True)
+                else:
+                    print(f"[alignpipe] {run_name}: job {err.job_id} died while its Ray cluster came up, before the "
+                          f"stage began (its log: {err.log}); submitted once more", flush=True)
         deadline = time.time() + FINAL_WAIT_S
         while not output_path.exists() and time.time() < deadline:
             time.sleep(1)
@@ -172,7 +179,8 @@ def launch_stage(job: dict, job_io: dict, output: str) -> None:
 
 def run_job(job_spec: StageJob, resources: dict, log_dir: Path, lock: OutputLock, watch: Watch) -> tuple:
     """Submit the stage's job, echo its log until it is over; (the submitit job, its tasks' logs) once it
-    succeeded, else StageFailed (StageStalled where its stall watch failed it) with the job's id, state and log."""
+    succeeded, else StageFailed (StageStalled where its stall watch failed it, RayNotUp where it died as its Ray
+    cluster came up) with the job's id, state and log."""
     run_name, partial = job_spec.run_name, Path(job_spec.output + ".partial")
     if watch.orphaned():
         raise StageFailed(f"stage {run_name} was not submitted: the Snakemake that started this launcher is gone")
@@ -202,18 +210,35 @@ def run_job(job_spec: StageJob, resources: dict, log_dir: Path, lock: OutputLock
         except Exception as err:  # the job's own exception, or submitit's report of a job that never finished
             shutil.rmtree(partial, ignore_errors=True)  # the job is over: nothing may look half done
             report = failure_report(run_name, submitted, logs, resources, state, err)
-            if STALL_MARK in _read(logs[0]):
-                raise StageStalled(report, submitted.job_id) from None
+            log = _read(logs[0])
+            if STALL_MARK in log:
+                raise StageStalled(report, submitted.job_id, logs[0]) from None
+            if died_before_ray_was_up(log) and not state.startswith("CANCELLED"):
+                raise RayNotUp(report, submitted.job_id, logs[0]) from None
             raise StageFailed(report) from None
     return submitted, logs
 
 
-class StageStalled(StageFailed):
+def died_before_ray_was_up(log: str) -> bool:
+    """Whether task 0's log shows its last Ray bring-up begun and not finished (a requeued job appends to its log)."""
+    start = log.rfind(HEAD_STARTING)
+    return start >= 0 and CLUSTER_UP not in log[start:]
+
+
+class JobFailed(StageFailed):
+    """A failed job that may be submitted once more: its id and its task 0's log."""
+
+    def __init__(self, report: str, job_id: str, log: Path):
+        super().__init__(report)
+        self.job_id, self.log = job_id, log
+
+
+class StageStalled(JobFailed):
     """The job's stall watch failed it (runtime/progress.py)."""
 
-    def __init__(self, report: str, job_id: str):
-        super().__init__(report)
-        self.job_id = job_id
+
+class RayNotUp(JobFailed):
+    """The job died while its Ray cluster came up (`died_before_ray_was_up`)."""
 
 
 def _read(path: Path) -> str:
@@ -361,6 +386,10 @@ def failure_report(run_name: str, job, logs: list[Path], resources: dict, state:
     for other in logs[1:]:
         if other.exists():
             text += f"--- last lines of {other.name} ---\n{tail(other, 15)}\n"
+    kept = sorted(logs[0].parent.glob(KEPT_LOGS.format(job_id=job.job_id, restart="*", rank="*")))
+    if kept:  # (a node whose task died: why its raylet or GCS went, if they went first)
+        text += "--- Ray's own logs of the nodes that ended with their task ---\n" + \
+            "\n".join(str(path) for path in kept) + "\n"
     return text + f"--- error ---\n{err}"
 
 

@@ -60,19 +60,25 @@ PORT_ATTEMPTS = 3         # blocks a one-node job's head tries (see ray_cluster)
 GCS_PORT_TAKEN = "Failed to start the grpc server"  # what the GCS logs when its port is taken
 HEAD_MISSES = 3           # a worker leaves after this many failed checks (2 s apart) of the head's port
 LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"  # "0": Ray keeps 127.0.0.1 instead of the host's address
+# Task 0's log lines as its node starts (again on a retry or a requeued job: the log is appended to) and once every
+# node joined; between the two, the launcher resubmits a job that died (launcher/submit.py).
+HEAD_STARTING = "starting head at"
+CLUSTER_UP = "[ray] cluster up:"
 
-# Runs beside each `ray start --block` (python -c WATCHDOG <task pid> <ray start pid> <private dir> [<token dir>]),
-# in a session of its own, deaf to the signals Slurm or a user send a job. When the task's process is gone (its
-# parent changes, whatever killed it: SIGKILL leaves the task no chance to clean up), it SIGKILLs every process of
-# `ray start`'s session (`ray start` leads it: GCS, raylet, agents and the workers, which have process groups of
-# their own) and any process whose command line names the node's private dir, then removes the directories. A task
+# Runs beside each `ray start --block` (python -c WATCHDOG <task pid> <ray start pid> <kept logs dir> <private dir>
+# [<token dir>]), in a session of its own, deaf to the signals Slurm or a user send a job. When the task's process is
+# gone (its parent changes, whatever killed it: SIGKILL leaves the task no chance to clean up; a driver that Ray's C++
+# aborts, "Failed to register worker to Raylet", when its raylet died), it SIGKILLs every process of `ray start`'s
+# session (`ray start` leads it: GCS, raylet, agents and the workers, which have process groups of their own) and any
+# process whose command line names the node's private dir, keeps the Ray services' own logs (why a raylet died, say)
+# in the job's folder (KEPT_LOGS), then removes the directories. A task
 # that stops its node normally kills the watchdog once the node is down. Ray's own fate sharing is not enough:
 # `ray start` dying kills its direct children, but the workers and agents that the raylet started outlive it. (A
 # parent-death signal on `ray start` would reach `ray start` alone, and needs a preexec_fn, unsafe in a process
 # with threads.)
 WATCHDOG = """
-import os, shutil, signal, sys, time
-task, session, mark = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+import glob, os, shutil, signal, sys, time
+task, session, kept, mark = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
 for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
     signal.signal(sig, signal.SIG_IGN)
 while os.getppid() == task:
@@ -93,9 +99,17 @@ for attempt in range(20):
     if not found:
         break
     time.sleep(0.2)
-for path in sys.argv[3:]:
+for log in [f"{mark}/ray-start.log"] + glob.glob(f"{mark}/r/session_*/logs/*"):
+    if os.path.basename(log).startswith(("ray-start", "raylet", "gcs_server", "dashboard_agent", "runtime_env_agent")):
+        try:
+            os.makedirs(kept, mode=0o700, exist_ok=True)
+            shutil.copy(log, kept)
+        except OSError:
+            pass
+for path in sys.argv[4:]:
     shutil.rmtree(path, ignore_errors=True)
 """
+KEPT_LOGS = "ray-logs-{job_id}-{restart}-{rank}"  # the Ray logs of a job attempt's node that ended without stopping it
 
 
 @dataclasses.dataclass
@@ -354,14 +368,15 @@ def _job_node(job_env, res: dict, rank: int, num_nodes: int, restart: int, port:
     private_dir = Path(tempfile.mkdtemp(prefix=f"ray-{job_env.job_id}-{restart}-{rank}-", dir="/tmp"))
     info = RayNodeInfo(is_driver=rank == 0, rank=rank, num_nodes=num_nodes, ip=my_ip, head_address=head_address)
     print(f"[ray] task {rank}/{num_nodes} on {socket.gethostname()} ({my_ip}): starting "
-          f"{'head at ' + head_address if rank == 0 else 'worker -> ' + head_address}", flush=True)
+          f"{HEAD_STARTING + ' ' + head_address if rank == 0 else 'worker -> ' + head_address}", flush=True)
     token_dir = None
     try:
         token, token_dir = job_token(job_env, rank, num_nodes, restart)
         env = ray_env(token, loopback=_is_loopback(my_ip) and num_nodes == 1, port=port, interface=interface_of(my_ip))
         shared = shared_folder(job_env, restart) if num_nodes > 1 else None
         with _driver_env(env) if rank == 0 else contextlib.nullcontext():
-            yield from _run_node(info, head_ip, head_address, port, res, private_dir, env, token_dir, shared)
+            kept = Path(job_env.paths.folder) / KEPT_LOGS.format(job_id=job_env.job_id, restart=restart, rank=rank)
+            yield from _run_node(info, head_ip, head_address, port, res, private_dir, kept, env, token_dir, shared)
     finally:
         shutil.rmtree(private_dir, ignore_errors=True)
         if token_dir is not None:
@@ -369,9 +384,10 @@ def _job_node(job_env, res: dict, rank: int, num_nodes: int, restart: int, port:
 
 
 def _run_node(info: RayNodeInfo, head_ip: str, head_address: str, port: int, res: dict, private_dir: Path,
-              env: dict, token_dir: Path | None, shared: Path | None):
-    """The body of `_job_node`: start this task's node (with its watchdog), join, yield, stop. `shared`: the
-    folder of a multi-node job's tasks, through which a stall watch on task 0 asks the others for their stacks."""
+              kept: Path, env: dict, token_dir: Path | None, shared: Path | None):
+    """The body of `_job_node`: start this task's node (with its watchdog, which keeps Ray's logs in `kept` if the
+    task dies), join, yield, stop. `shared`: the folder of a multi-node job's tasks, through which a stall watch on
+    task 0 asks the others for their stacks."""
     import ray
     rank, num_nodes, my_ip = info.rank, info.num_nodes, info.ip
     log_path = private_dir / "ray-start.log"
@@ -384,7 +400,7 @@ def _run_node(info: RayNodeInfo, head_ip: str, head_address: str, port: int, res
         child = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                  start_new_session=True, env=os.environ | env)
         child.watchdog = subprocess.Popen(
-            [sys.executable, "-c", WATCHDOG, str(os.getpid()), str(child.pid), str(private_dir)] +
+            [sys.executable, "-c", WATCHDOG, str(os.getpid()), str(child.pid), str(kept), str(private_dir)] +
             ([str(token_dir)] if token_dir else []),
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
             env={"PATH": os.environ.get("PATH", "")})
@@ -409,7 +425,7 @@ def _run_node(info: RayNodeInfo, head_ip: str, head_address: str, port: int, res
             _connect(head_address, my_ip, proc, log_path)
             info.nodes = wait_for_nodes(num_nodes, proc, log_path)
             shown = ", ".join(f"{n['hostname']} {n['ip']} ({n['cpus']:g} CPU, {n['gpus']:g} GPU)" for n in info.nodes)
-            print(f"[ray] cluster up: {len(info.nodes)} node(s): {shown}", flush=True)
+            print(f"{CLUSTER_UP} {len(info.nodes)} node(s): {shown}", flush=True)
             with on_stall(lambda: ask_nodes_for_stacks(shared, range(1, num_nodes))) if shared else \
                     contextlib.nullcontext():
                 yield info

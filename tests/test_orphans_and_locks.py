@@ -8,6 +8,7 @@ import json
 import os
 import re
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -18,10 +19,11 @@ import pytest
 
 from launcher.code_hash import stage_code_hash
 from launcher.config import REPO_ROOT, load_config_files
-from launcher.submit import apply_umask, launch_stage
+from launcher.submit import apply_umask, died_before_ray_was_up, launch_stage
 from launcher.supervise import HOST, OutputLock, StageFailed, cancel_job, proc_stat
 from pipeline_helpers import SNAKEMAKE, wait_until, write_config
 from runtime import checkpoints
+from runtime.ray_cluster import GCS_PORT_TAKEN
 
 SUBMITTED = re.compile(r"\[alignpipe\] base_model: job (?P<id>\d+) submitted \(.*?\), log (?P<log>\S+)")
 
@@ -164,6 +166,41 @@ def test_live_lock_refuses_a_second_launch_until_its_job_is_gone(tmp_path):
         if holder.poll() is None:
             holder.kill()
     assert "taking over" in out and (output / "stage.json").exists() and not lock.exists(), out[-3000:]
+
+
+@pytest.mark.e2e
+def test_a_job_that_dies_while_its_ray_cluster_comes_up_is_submitted_once_more(tmp_path):
+    """A job whose Ray cluster does not come up (here the head's port, launcher.ray_port, is taken for good) died
+    before its stage began: the launcher submits it once more, and fails the stage with the second job's report."""
+    job, job_io, output = base_model_job(tmp_path, "rayless")
+    config = load_config_files([tmp_path / "rayless.yaml"])
+    job = job | {"stage": "sft", "run_name": "sft", "config": {"sft": config["sft"], "seed": config["seed"]}}
+    output = output.with_name("sft")
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        job_io["context"]["launcher"] |= {"ray_port": taken.getsockname()[1]}
+        done = subprocess.run(launcher_command(job, job_io, output, tmp_path / "sft.log"), cwd=REPO_ROOT,
+                              capture_output=True, text=True, timeout=300)
+    out = done.stdout + done.stderr
+    assert done.returncode == 1, out[-3000:]
+    jobs = re.findall(r"\[alignpipe\] sft: job (\d+) submitted \(local: this machine\), log (\S+)", out)
+    assert len(jobs) == 2, out[-3000:]
+    assert out.count("died while its Ray cluster came up, before the stage began") == 1
+    assert f"[alignpipe] sft: job {jobs[0][0]} died while its Ray cluster came up, before the stage began (its log: " \
+           f"{jobs[0][1]}); submitted once more" in out
+    assert re.search(rf"stage sft failed: job {jobs[1][0]}, state \w+, log {re.escape(jobs[1][1])}", out), out[-3000:]
+    assert "Ray head did not start" in out and GCS_PORT_TAKEN in out  # why, from the job's log
+    assert not output.exists() and not output.with_name("sft.partial").exists()
+
+
+def test_only_a_job_that_died_during_its_last_ray_bring_up_counts_as_one_whose_ray_was_not_up():
+    starting = "[ray] task 0/2 on n1 (10.0.0.1): starting head at 10.0.0.1:20100\n"
+    up = "[ray] cluster up: 2 node(s): n1 10.0.0.1 (2 CPU, 0 GPU), n2 10.0.0.2 (2 CPU, 0 GPU)\n"
+    assert died_before_ray_was_up("submitit INFO ...\n" + starting + "Traceback ...\n")
+    assert not died_before_ray_was_up(starting + up + "[sft] step 3/10 ...\nTraceback ...\n")  # the stage failed
+    assert not died_before_ray_was_up("Traceback ...\n")  # a stage without Ray
+    assert died_before_ray_was_up(starting + up + "requeued\n" + starting)  # the requeued job's bring-up
 
 
 def test_files_are_private_and_nothing_loads_from_world_writable_directories(tmp_path, monkeypatch):

@@ -286,10 +286,12 @@ def test_clean_stop_leaves_no_process_and_no_e_lines(job):
 @pytest.mark.parametrize("nodes", [1, 2])
 def test_sigkilled_job_leaves_no_ray_process(tmp_path, nodes):
     """SIGKILL of the job's process (no cleanup code of it runs): within seconds no process of its Ray node is left,
-    its temp dir is gone and, for task 0 of a multi-node job, so is the token it shared in the job's folder."""
+    its temp dir is gone and, for task 0 of a multi-node job, so is the token it shared in the job's folder; the Ray
+    services' own logs are kept in the job's folder (a driver that Ray's C++ aborts leaves no other trace of why)."""
     job = Job(tmp_path, nodes)
-    token_dir = job.folder / f".ray-auth-{job.job_id}-0"
+    token_dir, kept = job.folder / f".ray-auth-{job.job_id}-0", job.folder / f"ray-logs-{job.job_id}-0-0"
     try:
+        token = job.token()
         before = job.ray_processes()
         assert len(before) >= 5, before  # ray start, GCS, raylet, agents, ...
         if nodes == 1:
@@ -304,6 +306,10 @@ def test_sigkilled_job_leaves_no_ray_process(tmp_path, nodes):
                           not token_dir.exists(), 20)
         assert gone, (f"left after SIGKILL of the job: {job.ray_processes()}, temp dir {job.private_dir.exists()}, "
                       f"token dir {token_dir.exists()}")
+        kept_logs = list(kept.iterdir())
+        assert {"ray-start.log", "raylet.out", "gcs_server.out"} <= {p.name for p in kept_logs}, kept_logs
+        assert "Ray runtime started" in (kept / "ray-start.log").read_text()
+        assert kept.stat().st_mode & 0o777 == 0o700 and not [p for p in kept_logs if token.encode() in p.read_bytes()]
     finally:
         for pid in job.ray_processes():  # never leave them to the next test
             with contextlib.suppress(OSError):
