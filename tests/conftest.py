@@ -30,11 +30,12 @@ def cpu_seconds() -> tuple[float, float]:
 # The order of the session's test files, each keeping its tests' order: the Slurm tests first, beside the tiny DAG
 # (`tiny_dag`); then the rest, beside the user-experiment DAGs (`user_runs`), which take the cores they leave idle:
 # first the files that keep about one core of two busy (WAITING_FILES: they wait on servers, Ray and engine
-# start-ups; run after the DAGs had ended, 41-59% of the machine), while the DAGs certainly run, then those that
-# keep both busy; then test_user_experiment.py, whose tests wait for those DAGs; last the files that time something
-# against a limit (TIMED_FILES: a refusal within seconds, a stall within its limit), with the machine to themselves:
-# beside a DAG, a dry run's refusal took up to 29 s instead of 2-3.
-WAITING_FILES = ("test_ray_security.py", "test_tracking_faults.py", "test_user_data.py", "test_weight_sync.py")
+# start-ups, a stall's limit; run after the DAGs had ended, 20-59% of the machine), while the DAGs certainly run,
+# then those that keep both busy; then test_user_experiment.py, whose tests wait for those DAGs; last the files that
+# time something against a short limit (TIMED_FILES: a refusal within seconds, a stall within 3 s), with the machine
+# to themselves: beside a DAG, a dry run's refusal took up to 29 s instead of 2-3.
+WAITING_FILES = ("test_ray_security.py", "test_tracking_faults.py", "test_user_data.py", "test_weight_sync.py",
+                 "test_stall_watch_rl.py")
 TIMED_FILES = ("test_checks_before_queueing.py", "test_config.py", "test_stall_watch.py")
 
 

@@ -1,8 +1,7 @@
 """The stall watch (runtime/progress.py): a stage whose progress stops prints every process's Python stacks into its
 log and fails with its job id and the place it hung, within its limit; the launcher submits it once more where
-launcher.requeue_stalled allows it. First in small Python processes and a base_model job, then with a reward function
-that hangs inside a real RL stage (the tiny experiment's grpo run through the launcher, Ray, DeepSpeed and vLLM)."""
-import json
+launcher.requeue_stalled allows it. In small Python processes and a base_model job; a reward function that hangs
+inside a real RL stage: tests/test_stall_watch_rl.py."""
 import re
 import subprocess
 import sys
@@ -11,14 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from launcher.config import REPO_ROOT, load_config_files
+from launcher.config import REPO_ROOT
 from runtime.progress import STALL_EXIT_CODE, STALL_MARK, STEP_FACTOR, stall_limit
 from test_orphans_and_locks import base_model_job, launcher_command
 
 LIMIT_MIN = 0.05  # 3 s
-# The RL stage's: longer than any step of its start-up (Ray up, actors and engines started, held-out reward) on a
-# busy 2-core machine, each a milestone the stage reports.
-STAGE_LIMIT_MIN = 1.0
 
 
 def run_watched(tmp_path: Path, body: str, grace_s: float = 30) -> subprocess.CompletedProcess:
@@ -170,57 +166,3 @@ def test_a_job_that_stalls_twice_fails_after_one_requeue(tmp_path):
     assert "stage base_model failed: job" in out and out.count(STALL_MARK) >= 2
     assert not output.exists() and not output.with_name("base_model.partial").exists()
     assert not output.with_name("base_model.lock").exists()
-
-
-HANGING_REWARD = """
-import time
-
-calls = 0
-
-
-def reward_fn(prompts, completions, labels):
-    global calls
-    calls += 1
-    if calls == 3:  # held-out prompts, step 1, then step 2 hangs
-        time.sleep(3600)
-    return [float(c.count("a")) for c in completions]
-"""
-
-
-@pytest.mark.e2e
-def test_a_reward_function_that_hangs_in_an_rl_stage_is_caught(tiny_run, tmp_path):
-    """(The requeue of a stalled job: test_a_job_that_stalls_twice_fails_after_one_requeue; a stage's resume from
-    its checkpoint in a requeued job: tests/test_rl_resume.py.)"""
-    record = json.loads((tiny_run["results"] / "rl" / "grpo" / "seed0" / "stage.json").read_text())
-    reward = tmp_path / "hangs.py"
-    reward.write_text(HANGING_REWARD)
-    params = record["params"] | {"rl": record["params"]["rl"] | {"steps": 2, "reward": str(reward)}}
-    absolute = lambda p: str(p if Path(p).is_absolute() else REPO_ROOT / p)
-    inputs = {k: absolute(v) for k, v in record["inputs"].items() if k != "reward_model"} | {"reward_file": str(reward)}
-    config = load_config_files([tiny_run["configfile"]])
-    job = {"stage": "rl", "run_name": "rl/grpo/seed0", "code": "test", "config": params}
-    job_io = {"inputs": inputs, "resources": {},
-              "context": {"experiment": "tiny-stall", "results_dir": str(tmp_path / "results"),
-                          "launcher": config["launcher"] | {"stall_min": STAGE_LIMIT_MIN},
-                          "tracking": {"uri": tiny_run["mlflow_uri"]}}}
-    output = tmp_path / "results" / "tiny-stall" / "rl" / "grpo" / "seed0"
-    done = subprocess.run(launcher_command(job, job_io, output, tmp_path / "rl.log"), cwd=REPO_ROOT,
-                          capture_output=True, text=True, timeout=900)
-    out = done.stdout + done.stderr
-    assert done.returncode == 1, out[-6000:]
-    log = Path(re.search(r"job \d+ submitted \(local: this machine\), log (\S+)", out).group(1))
-    message = re.search(re.escape(STALL_MARK) + r" (.*)", log.read_text()).group(1)
-    assert re.match(r"stage rl/grpo/seed0 \(job \d+\) stalled: no progress for", message), message
-    assert "last progress: rl/grpo step 1/2" in message
-    assert f"the driver waits at {reward}:" in message and "in reward_fn (time.sleep(3600))" in message, message
-    idle = float(re.search(r"no progress for ([\d.]+) min", message).group(1))
-    # the limit (no step timed yet: the first holds the start-up) and one poll (10 s)
-    assert STAGE_LIMIT_MIN <= idle <= STAGE_LIMIT_MIN + 0.25, message
-    stacks = log.read_text()
-    assert f'File "{reward}", line' in stacks  # the driver's
-    assert re.search(r"--- Python stacks of process \d+ on \S+: ray::PolicyWorker", stacks)  # an actor's, with py-spy
-    # the terminal: the message, then the launcher's report with the job id and its log
-    assert STALL_MARK in out
-    assert re.search(r"stage rl/grpo/seed0 failed: job \d+, state \w+, log " + re.escape(str(log)), out), out[-3000:]
-    assert "submitted once more" not in out  # (launcher.requeue_stalled is off by default)
-    assert not output.exists() and not output.with_name("seed0.partial").exists()

@@ -11,8 +11,6 @@ One module-scoped scenario, run the way a user would from the repository root, t
 The reward model stage asks for GPUs (the test cluster's placeholder GPUs, local_cluster.sh): --gpus-per-node goes
 through sbatch to Ray's nodes, and each DeepSpeed rank gets its own GPU from Ray (its training still runs on CPU).
 """
-import contextlib
-import copy
 import json
 import os
 import re
@@ -25,7 +23,7 @@ import pytest
 import submitit
 import yaml
 
-from launcher.config import REPO_ROOT, ConfigError, validate_config
+from launcher.config import REPO_ROOT, validate_config
 from pipeline_helpers import SNAKEMAKE, planned_jobs, wait_until
 
 pytestmark = [pytest.mark.slurm, pytest.mark.e2e]
@@ -50,18 +48,9 @@ def tiny_slurm_config(path: Path, results: Path) -> Path:
     # them fill 85% of mem_gb; the nodes have 8000 MB.
     config["launcher"] = {"mem_gb": 3, "cpus_per_node": 2, "timeout_min": 30,
                           "stages": {"sft": {"nodes": 2}, GPU_STAGE: {"gpus_per_node": GPUS_PER_NODE, "mem_gb": 7.5}}}
-    # The rest of the DAG as small as it goes (these stages only need to run, each as its own Slurm job); an
-    # override that the schema no longer accepts is left out.
-    for block, key, value in (("reward_model", "epochs", 1), ("dpo", "epochs", 1), ("rl", "steps", 2)):
-        if key in (config.get(block) or {}):
-            trial = copy.deepcopy(config)
-            trial[block][key] = value
-            with contextlib.suppress(ConfigError):
-                validate_config(trial)
-                config = trial
-    variants = (config.get("rl") or {}).get("variants")
-    if isinstance(variants, dict) and len(variants) > 1:
-        config["rl"]["variants"] = dict([next(iter(variants.items()))])
+    # No RL: on Slurm it would run the parts the other stages run there (DeepSpeed ranks as sft and reward_model, vLLM
+    # as evaluate), and its job took 77 s of the scenario's 8.5 minutes (2026-12-04).
+    config["rl"]["variants"] = {}
     validate_config(config)
     path.write_text(yaml.safe_dump(config))
     return path
