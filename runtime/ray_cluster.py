@@ -70,12 +70,11 @@ CLUSTER_UP = "[ray] cluster up:"
 # gone (its parent changes, whatever killed it: SIGKILL leaves the task no chance to clean up; a driver that Ray's C++
 # aborts, "Failed to register worker to Raylet", when its raylet died), it SIGKILLs every process of `ray start`'s
 # session (`ray start` leads it: GCS, raylet, agents and the workers, which have process groups of their own) and any
-# process whose command line names the node's private dir, keeps the Ray services' own logs (why a raylet died, say)
-# in the job's folder (KEPT_LOGS), then removes the directories. A task
-# that stops its node normally kills the watchdog once the node is down. Ray's own fate sharing is not enough:
-# `ray start` dying kills its direct children, but the workers and agents that the raylet started outlive it. (A
-# parent-death signal on `ray start` would reach `ray start` alone, and needs a preexec_fn, unsafe in a process
-# with threads.)
+# process whose command line names the node's private dir, keeps the Ray services' own logs (why a raylet died, say) in
+# the job's folder (KEPT_LOGS), then removes the directories. A task that stops its node normally kills the watchdog
+# once the node is down. Ray's own fate sharing is not enough: `ray start` dying kills its direct children, but the
+# workers and agents that the raylet started outlive it. (A parent-death signal on `ray start` would reach `ray start`
+# alone, and needs a preexec_fn, unsafe in a process with threads.)
 WATCHDOG = """
 import glob, os, shutil, signal, sys, time
 task, session, kept, mark = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
