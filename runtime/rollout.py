@@ -158,13 +158,29 @@ class VLLMEngine:
                  for c in out.outputs] for out in outputs]
 
     # The weight hand-over (runtime/weight_sync.py), then `finish_weight_update`.
+    def load_shared_weights(self, handle: tuple, entries: list) -> bool:
+        """In memory (CPU), from the policy's rank 0 on this node: reload every weight in place from its shared
+        memory (weight_sync.SharedWeights, `handle`: its node, process, file descriptor and size), each entry a
+        (name, dtype, shape, offset). False, and nothing loaded, where this engine cannot map it (another node)."""
+        node, pid, fd, size = handle
+        if node != ray.get_runtime_context().get_node_id():
+            return False
+        if getattr(self, "shared_handle", None) != handle:  # (mapped once: a new mapping faults its pages in again)
+            self.shared_bytes = torch.from_file(f"/proc/{pid}/fd/{fd}", shared=True, size=size, dtype=torch.uint8)
+            self.shared_handle = handle
+        self._reload([(name, weight_sync.typed(self.shared_bytes[offset:offset + weight_sync.sized(dtype, shape)],
+                                                dtype, shape)) for name, dtype, shape, offset in entries])
+        return True
+
     def load_weights(self, stored: list) -> None:
-        """In memory (CPU): reload every weight in place from (name, dtype, shape, NumPy array of its bytes), the
-        arrays read in Ray's object store without a copy (weight_sync.send_weights)."""
+        """In memory (CPU), through Ray's object store: reload every weight in place from (name, dtype, shape, NumPy
+        array of its bytes), the arrays read there without a copy (weight_sync.SharedWeights)."""
         with warnings.catch_warnings():  # (read-only arrays: vLLM only copies them into its own parameters)
             warnings.filterwarnings("ignore", "The given NumPy array is not writable")
-            weights = [(name, torch.from_numpy(array).view(getattr(torch, dtype)).view(shape))
-                       for name, dtype, shape, array in stored]
+            self._reload([(name, weight_sync.typed(torch.from_numpy(array), dtype, shape))
+                          for name, dtype, shape, array in stored])
+
+    def _reload(self, weights: list) -> None:
         self.llm.collective_rpc("load_cpu_weights", args=(weights,))
         self.finish_weight_update()
 

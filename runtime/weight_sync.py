@@ -4,11 +4,14 @@ The policy's ranks walk the model one module at a time (`hf_weights`): under ZeR
 parameters, so no rank ever holds the whole model; LoRA adapters are folded into their layer's weight. Names are
 the Hugging Face checkpoint's, which vLLM's `load_weights` maps onto its own layers. Rank 0 hands each tensor over:
 
-- `memory` (CPU): the tensors go into Ray's object store in one object, each as a NumPy array of its bytes, which
-  the engine reads there without a copy and copies into its layers' weights, then repacks their CPU kernels
-  (`load_cpu_weights`; the engines keep their weights beside the kernels, `register_cpu_loader`). (Ray pickles a
-  torch tensor: for 135M parameters 0.7 s to put and 0.5-2 s to get, against 0.08 s and ~0 s as NumPy; one object,
-  as 272 would take 0.3 s.)
+- `memory` (CPU): rank 0 copies the tensors into shared memory of its own (`SharedWeights`), which each engine on its
+  node maps once; the engine copies them from there into its layers' weights, then repacks their CPU kernels
+  (`load_cpu_weights`; the engines keep their weights beside the kernels, `register_cpu_loader`). An engine on
+  another node gets them through Ray's object store, in one object, each tensor as a NumPy array of its bytes,
+  read there without a copy. (Ray pickles a torch tensor: for 135M parameters 0.7 s to put and 0.5-2 s to get,
+  against 0.08 s and ~0 s as NumPy; and it copies each array of over 1 MB with 6 new threads, which on 2 cores
+  contend with everything else: the shared memory takes 0.03-0.04 s, and holds the weights once more while the
+  stage runs.)
 - `nccl` (GPUs, engines on GPUs of their own): rank 0 and every vLLM worker form one NCCL group
   (`init_weight_group`); each tensor is broadcast from rank 0 and loaded as it arrives.
 - `ipc` (GPUs shared with the engines, `colocate`): every rank makes a CUDA IPC handle of its gathered copy on its
@@ -19,6 +22,9 @@ The receiving side runs inside vLLM's workers: `WorkerExtension`'s methods, whic
 Only the `memory` path runs in CI (tests/test_weight_sync.py); `nccl` and `ipc` need GPUs and vLLM's CUDA build.
 """
 import contextlib
+import math
+import mmap
+import os
 import pickle
 
 import ray
@@ -48,20 +54,64 @@ def hf_weights(model, zero3: bool):
                 yield (f"{module_name}.{name}" if module_name else name), tensor.detach()
 
 
+class SharedWeights:
+    """Rank 0's copy of the policy's weights for the engines, in shared memory: an anonymous file (memfd) of rank 0's
+    process, so that it goes with that process however it ends. An engine on the same node maps it once (through
+    /proc/<pid>/fd, which only the same user may open) and copies each sync's weights from there; an engine that
+    cannot (another node) says so at the first sync and gets them through Ray's object store from then on."""
+
+    def __init__(self, module):
+        capacity = sum(aligned(getattr(p, "ds_numel", p.numel()) * p.element_size()) for p in module.parameters())
+        self.fd = os.memfd_create("alignpipe-weights")
+        os.ftruncate(self.fd, capacity)
+        self.bytes = torch.frombuffer(mmap.mmap(self.fd, capacity), dtype=torch.uint8)
+        self.handle = (ray.get_runtime_context().get_node_id(), os.getpid(), self.fd, capacity)
+        self.elsewhere = set()  # engines that cannot map it
+
+    def send(self, weights, engines: list) -> int:
+        entries, offset = [], 0  # (name, dtype, shape, offset in bytes)
+        for name, tensor in weights:  # (a copy: under ZeRO-3 the gathered tensor is freed after use)
+            size = tensor.numel() * tensor.element_size()
+            self.bytes[offset:offset + size].copy_(tensor.contiguous().reshape(-1).view(torch.uint8))
+            entries.append((name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape), offset))
+            offset += aligned(size)
+        nearby = [engine for engine in engines if engine not in self.elsewhere]
+        mapped = ray.get([engine.load_shared_weights.remote(self.handle, entries) for engine in nearby])
+        self.elsewhere |= {engine for engine, ok in zip(nearby, mapped) if not ok}
+        if self.elsewhere & set(engines):
+            arrays = ray.put([(name, dtype, shape, self.bytes[offset:offset + sized(dtype, shape)].numpy())
+                              for name, dtype, shape, offset in entries])
+            ray.get([engine.load_weights.remote(arrays) for engine in engines if engine in self.elsewhere])
+        return len(entries)
+
+
+def aligned(size: int) -> int:
+    return -(-size // 64) * 64
+
+
+def sized(dtype: str, shape: list) -> int:
+    """Bytes of a tensor of `dtype` (its name in torch) and `shape`."""
+    return math.prod(shape) * getattr(torch, dtype).itemsize
+
+
+def typed(data: torch.Tensor, dtype: str, shape: list) -> torch.Tensor:
+    """A tensor's bytes (uint8, 1-D) seen as the tensor."""
+    return data.view(getattr(torch, dtype)).view(shape)
+
+
 def send_weights(worker, engines: list, mode: str) -> int:
     """Runs on every rank of the policy (`worker`, a DeepSpeedWorker): hand the current weights to `engines`.
     Returns the number of tensors sent (rank 0) or 0."""
     zero3 = worker.zero_stage == 3
     weights = hf_weights(worker.engine.module, zero3)
     if mode == "memory":
-        # (clone under ZeRO-3: a gathered tensor is freed after use; the other ranks only take part in the gathers)
-        stored = [(name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape),
-                   (tensor.clone() if zero3 else tensor).contiguous().reshape(-1).view(torch.uint8).numpy())
-                  for name, tensor in weights] if worker.rank == 0 else [None for _ in weights]
-        if worker.rank == 0:
-            ref = ray.put(stored)
-            ray.get([engine.load_weights.remote(ref) for engine in engines])
-        return len(stored) if worker.rank == 0 else 0
+        if worker.rank != 0:  # (only takes part in the gathers)
+            for _ in weights:
+                pass
+            return 0
+        if getattr(worker, "shared_weights", None) is None:
+            worker.shared_weights = SharedWeights(worker.engine.module)
+        return worker.shared_weights.send(weights, engines)
     sent = 0
     for name, tensor in weights:
         if mode == "nccl":
@@ -134,11 +184,20 @@ class WorkerExtension:
 
 
 def pack_cpu_gemm(model) -> None:
-    """Rebuild the oneDNN kernel of every linear layer (the LM head too) from its weight, keeping the weight."""
+    """Rebuild the oneDNN kernel of every linear layer (the LM head too) from its weight, keeping the weight. vLLM
+    gives every embedding a kernel, in case it is the model's LM head; one that is not (the model has an LM head of
+    its own, tied to it or not) gets torch's linear on its weight instead, so that a sync does not repack it for
+    nothing (a fifth of the repack for SmolLM2-135M)."""
     from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+    head = getattr(model, "lm_head", None)
     for module in model.modules():
         weight = getattr(module, "weight", None)
-        if hasattr(module, "cpu_linear") and weight is not None and weight.ndim == 2 and weight.numel():
+        if not hasattr(module, "cpu_linear") or weight is None or weight.ndim != 2 or not weight.numel():
+            continue
+        if head is not None and module is not head and isinstance(module, VocabParallelEmbedding):
+            module.cpu_linear = lambda x, weight, bias: torch.nn.functional.linear(x, weight, bias)
+        else:
             dispatch_cpu_unquantized_gemm(module, remove_weight=False)
 
 
@@ -151,7 +210,7 @@ def register_cpu_loader() -> None:
     layer from scratch, and then misses the kernel of an LM head tied to the embeddings (nothing is loaded into it;
     its log-probs drift from the trainer's: tests/test_weight_sync.py). Loaded this way the layers keep their
     weights (vLLM's own mark for layers it leaves unpacked, `_cpu_skip_gemm_dispatch`) as well as their packed
-    kernels: a sync is a copy into the weights and a repack of every kernel (`load_cpu_weights`; 0.07 s and ~0.2 s
+    kernels: a sync is a copy into the weights and a repack of every kernel (`load_cpu_weights`; 0.04 s and 0.15 s
     for 135M parameters on 2 cores, where the reload took ~0.38 s), generation runs the same kernels as before, and
     the engine holds its weights twice. (Should vLLM stop honouring the mark, the first sync fails on an emptied
     weight: tests/test_weight_sync.py.)"""

@@ -36,7 +36,7 @@ def local_ray():
 
 
 class RecordingEngine(VLLMEngine):
-    """The real engine, noting what each of its LLM.collective_rpc calls names."""
+    """The real engine, noting what each of its LLM.collective_rpc calls names, and how each hand-over came."""
 
     def _start(self, model_dir: str):
         llm = super()._start(model_dir)
@@ -50,6 +50,25 @@ class RecordingEngine(VLLMEngine):
 
     def rpc_methods_called(self) -> list:
         return [m if isinstance(m, str) else f"a {type(m).__name__}" for m in self.rpc_methods]
+
+    def load_shared_weights(self, handle: tuple, entries: list) -> bool:
+        mapped = super().load_shared_weights(handle, entries)
+        self.hand_overs = getattr(self, "hand_overs", []) + ["shared memory" if mapped else "refused"]
+        return mapped
+
+    def load_weights(self, stored: list) -> None:
+        super().load_weights(stored)
+        self.hand_overs = getattr(self, "hand_overs", []) + ["object store"]
+
+    def hand_overs_seen(self) -> list:
+        return self.hand_overs
+
+
+class ElsewhereEngine(RecordingEngine):
+    """As an engine on another node than the policy's rank 0 sees its shared memory."""
+
+    def load_shared_weights(self, handle: tuple, entries: list) -> bool:
+        return super().load_shared_weights(("another node",) + tuple(handle[1:]), entries)
 
 
 def tiny_base(tmp_path):
@@ -78,14 +97,17 @@ def hf_greedy(model_dir, prompt_ids: list[list[int]], new_tokens: int) -> list[l
             for ids in prompt_ids]
 
 
-@pytest.mark.parametrize("zero_stage, lora_rank", [(2, 0), (3, 4)], ids=["zero2-full", "zero3-lora"])
-def test_vllm_matches_trainer_after_each_sync(tmp_path, local_ray, zero_stage, lora_rank):
-    """With LoRA, what vLLM gets (and the stage exports) is the merged model."""
+@pytest.mark.parametrize("zero_stage, lora_rank, engine_cls", [(2, 0, RecordingEngine), (3, 4, ElsewhereEngine)],
+                         ids=["zero2-full-shared-memory", "zero3-lora-another-node"])
+def test_vllm_matches_trainer_after_each_sync(tmp_path, local_ray, zero_stage, lora_rank, engine_cls):
+    """With LoRA, what vLLM gets (and the stage exports) is the merged model. An engine on the node of the policy's
+    rank 0 reads the weights in its shared memory; one on another node, from the first sync, in Ray's object
+    store."""
     base, _ = tiny_base(tmp_path)
     tokenizer = models.load_tokenizer(base)
     prompt_ids = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in ("a gripping film", "the plot is")]
     policy = start_policy(base, zero_stage, lora_rank, batch_size=8)
-    engine = start_engines(str(base), 0, 64, VLLM, 1, 0.5, gpus=False, engine_cls=RecordingEngine)[0]
+    engine = start_engines(str(base), 0, 64, VLLM, 1, 0.5, gpus=False, engine_cls=engine_cls)[0]
 
     def sample(seed: int) -> Rollout:
         outputs = ray.get(engine.generate.remote(prompt_ids, 4, 1.0, 1.0, 8, seed))
@@ -113,6 +135,8 @@ def test_vllm_matches_trainer_after_each_sync(tmp_path, local_ray, zero_stage, l
     assert greedy() != first, "three training steps should have changed the greedy output"
     # By name: vLLM's msgpack RPC refuses Python functions once its engine core runs in a process of its own.
     assert set(ray.get(engine.rpc_methods_called.remote())) == {"load_cpu_weights"}
+    assert ray.get(engine.hand_overs_seen.remote()) == (["shared memory"] * 3 if engine_cls is RecordingEngine
+                                                        else ["refused"] + ["object store"] * 3)
     ray.kill(engine)
     policy.shutdown()
 
