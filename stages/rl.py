@@ -97,7 +97,7 @@ def train_on(group: ActorGroup, cfg: Config, rollout: Rollout, rng: random.Rando
 
 
 def sync_weights(roles: Roles) -> None:
-    """Trainer -> vLLM in memory, one module's weights at a time (runtime/weight_sync.py: through Ray's object store
+    """Trainer -> vLLM in memory, one module's weights at a time (runtime/weight_sync.py: through shared memory
     on CPU, an NCCL broadcast or CUDA IPC on GPUs); the engines then drop prefixes cached with the old weights."""
     if roles.engines_asleep:
         ray.get([engine.wake_up.remote(["weights"]) for engine in roles.engines])
