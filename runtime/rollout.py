@@ -160,14 +160,12 @@ class VLLMEngine:
     # The weight hand-over (runtime/weight_sync.py), then `finish_weight_update`.
     def load_shared_weights(self, handle: tuple, entries: list) -> bool:
         """In memory (CPU), from the policy's rank 0 on this node: reload every weight in place from its shared
-        memory (weight_sync.SharedWeights, `handle`: its node, process, file descriptor and size), each entry a
-        (name, dtype, shape, offset). False, and nothing loaded, where this engine cannot map it (another node)."""
-        node, pid, fd, size = handle
-        if node != ray.get_runtime_context().get_node_id():
-            return False
+        memory (weight_sync.SharedWeights), each entry a (name, dtype, shape, offset). False, and nothing loaded,
+        where this engine cannot map it (weight_sync.map_shared)."""
         if getattr(self, "shared_handle", None) != handle:  # (mapped once: a new mapping faults its pages in again)
-            self.shared_bytes = torch.from_file(f"/proc/{pid}/fd/{fd}", shared=True, size=size, dtype=torch.uint8)
-            self.shared_handle = handle
+            self.shared_bytes, self.shared_handle = weight_sync.map_shared(handle), handle
+        if self.shared_bytes is None:
+            return False
         self._reload([(name, weight_sync.typed(self.shared_bytes[offset:offset + weight_sync.sized(dtype, shape)],
                                                 dtype, shape)) for name, dtype, shape, offset in entries])
         return True

@@ -26,6 +26,7 @@ import math
 import mmap
 import os
 import pickle
+import secrets
 
 import ray
 import torch
@@ -62,10 +63,11 @@ class SharedWeights:
 
     def __init__(self, module):
         capacity = sum(aligned(getattr(p, "ds_numel", p.numel()) * p.element_size()) for p in module.parameters())
-        self.fd = os.memfd_create("alignpipe-weights")
+        name = f"alignpipe-weights-{secrets.token_hex(8)}"  # (an engine checks it: the file is this one)
+        self.fd = os.memfd_create(name)
         os.ftruncate(self.fd, capacity)
         self.bytes = torch.frombuffer(mmap.mmap(self.fd, capacity), dtype=torch.uint8)
-        self.handle = (ray.get_runtime_context().get_node_id(), os.getpid(), self.fd, capacity)
+        self.handle = (ray.get_runtime_context().get_node_id(), os.getpid(), self.fd, name, capacity)
         self.elsewhere = set()  # engines that cannot map it
 
     def send(self, weights, engines: list) -> int:
@@ -83,6 +85,19 @@ class SharedWeights:
                               for name, dtype, shape, offset in entries])
             ray.get([engine.load_weights.remote(arrays) for engine in engines if engine in self.elsewhere])
         return len(entries)
+
+
+def map_shared(handle: tuple) -> torch.Tensor | None:
+    """In an engine: the bytes of a SharedWeights (`handle`), mapped; None where they cannot be (another node, another
+    process's namespace, /proc closed to this process)."""
+    node, pid, fd, name, size = handle
+    path = f"/proc/{pid}/fd/{fd}"
+    try:
+        if node != ray.get_runtime_context().get_node_id() or os.readlink(path) != f"/memfd:{name} (deleted)":
+            return None
+        return torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
+    except OSError:
+        return None
 
 
 def aligned(size: int) -> int:

@@ -11,7 +11,7 @@ import pytest
 import ray
 import torch
 
-from runtime import checkpoints, models, trainer
+from runtime import checkpoints, models, trainer, weight_sync
 from runtime.builtin_data import load_reviews
 from runtime.experience import Rollout
 from runtime.rl_actors import PolicyWorker
@@ -139,6 +139,19 @@ def test_vllm_matches_trainer_after_each_sync(tmp_path, local_ray, zero_stage, l
                                                         else ["refused"] + ["object store"] * 3)
     ray.kill(engine)
     policy.shutdown()
+
+
+def test_shared_weights_are_mapped_only_as_the_file_they_name(local_ray):
+    """An engine maps rank 0's shared memory only on its node and only where the descriptor is still that file;
+    anything else sends it to the object store (a wrong file would hand it someone else's bytes as weights)."""
+    shared = weight_sync.SharedWeights(torch.nn.Linear(4, 4))
+    mapped = weight_sync.map_shared(shared.handle)
+    shared.bytes[:3] = torch.tensor([7, 8, 9], dtype=torch.uint8)
+    assert mapped[:3].tolist() == [7, 8, 9]  # the same memory, not a copy
+    node, pid, fd, name, size = shared.handle
+    assert weight_sync.map_shared(("another node", pid, fd, name, size)) is None
+    assert weight_sync.map_shared((node, pid, fd, "alignpipe-weights-0000", size)) is None
+    assert weight_sync.map_shared((node, pid, 10 ** 6, name, size)) is None
 
 
 def test_seeded_batch_larger_than_one_prefill_step(tmp_path, local_ray):
