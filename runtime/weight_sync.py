@@ -59,7 +59,8 @@ class SharedWeights:
     """Rank 0's copy of the policy's weights for the engines, in shared memory: an anonymous file (memfd) of rank 0's
     process, so that it goes with that process however it ends. An engine on the same node maps it once (through
     /proc/<pid>/fd, which only the same user may open) and copies each sync's weights from there; an engine that
-    cannot (another node) says so at the first sync and gets them through Ray's object store from then on."""
+    cannot (another node, `map_shared`) says so at the first sync and gets them through Ray's object store from then
+    on."""
 
     def __init__(self, module):
         capacity = sum(aligned(getattr(p, "ds_numel", p.numel()) * p.element_size()) for p in module.parameters())
