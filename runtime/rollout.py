@@ -137,6 +137,7 @@ class VLLMEngine:
         tokenizer = load_tokenizer(model_dir)
         end = tokenizer(end_of_turn(tokenizer), add_special_tokens=False)["input_ids"]
         self.stop_token_ids = end if len(end) == 1 else []
+        self.shared_handle = self.shared_bytes = None  # the policy's shared weights, once mapped (load_shared_weights)
 
     def _start(self, model_dir: str):
         from vllm import LLM
@@ -166,7 +167,7 @@ class VLLMEngine:
         """In memory (CPU), from the policy's rank 0 on this node: reload every weight in place from its shared
         memory (weight_sync.SharedWeights), each entry a (name, dtype, shape, offset). False, and nothing loaded,
         where this engine cannot map it (weight_sync.map_shared)."""
-        if getattr(self, "shared_handle", None) != handle:  # (mapped once: a new mapping faults its pages in again)
+        if self.shared_handle != handle:  # (mapped once: a new mapping faults its pages in again)
             self.shared_bytes, self.shared_handle = weight_sync.map_shared(handle), handle
         if self.shared_bytes is None:
             return False
