@@ -16,7 +16,7 @@ Both run GRPO on SmolLM2-135M-Instruct, fp32, on all of this machine's cores, an
 - no gradient checkpointing (TRL 1.16 defaults to it; the rl stage's schema default is off).
 Not equal: how each does it. alignpipe: the demo's policy trainer (`--zero-stage`/`--workers`, default one ZeRO-0
 rank with every core), a reference actor and a vLLM engine as Ray actors, vLLM sampling, the trainer's weights
-handed to vLLM in memory after every step (`stages.rl.sync_weights`). TRL: one process, sampling with transformers'
+handed to vLLM in memory after every step (`runtime.rl_actors.Roles.sync_weights`). TRL: one process, sampling with transformers'
 `generate` from the training model (nothing to sync), its own reference pass. vLLM may sample EOS inside a response
 and go on (the tokens are computed either way); TRL suppresses it. Prompt padding: alignpipe right-pads
 prompt+response, TRL left-pads prompts to the batch's longest.
@@ -124,7 +124,7 @@ def bench_alignpipe(model_dir: Path, rows: list[dict], steps: int, zero_stage: i
         if ahead:
             ahead.result()  # the engines are done with the old weights
             phases["generate"] += time.perf_counter() - t0 - sum(phases.values())
-        rl.sync_weights(roles)
+        roles.sync_weights()
         phases["weight_sync"] = time.perf_counter() - t0 - sum(phases.values())
         times.append(time.perf_counter() - t0)
         lengths += [len(r) for r in samples.response_ids]

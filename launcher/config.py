@@ -206,6 +206,11 @@ def check_consistency(config: dict, source: str) -> None:
         if rl["async_rollouts"] and not rl["is_cap"]:
             raise ConfigError(f"{source}: rl.variants.{name}: async_rollouts trains on samples of the weights before "
                               f"the last update; is_cap (the importance weight of that gap) must be set, got null")
+        if rl["top_p"] < 1:
+            raise ConfigError(f"{source}: rl.variants.{name}: top_p = {rl['top_p']} samples from the nucleus of each "
+                              "distribution, renormalised, while the trainer's and the reference's log-probs cover the "
+                              "whole vocabulary: the importance ratios and the KL would compare distributions nobody "
+                              "sampled from; set top_p: 1.0 (temperature is applied on both sides)")
         if rl["async_rollouts"] and rl["vllm"]["sleep"]:
             raise ConfigError(f"{source}: rl.variants.{name}: async_rollouts generates while DeepSpeed trains; "
                               f"vllm.sleep (vLLM asleep while DeepSpeed trains) cannot go with it")

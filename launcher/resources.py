@@ -8,6 +8,7 @@ where it came from. On Slurm, `check_slurm` asks `sbatch --test-only` whether th
 """
 import functools
 import glob
+import importlib.util
 import math
 import os
 import re
@@ -190,12 +191,19 @@ def check_fits(stage: str, params: dict, resources: dict, sources: dict) -> None
     if not gpus:
         gpu_only = {"vllm.tensor_parallel_size": vllm.get("tensor_parallel_size", 1) > 1,
                     "vllm.sleep": vllm.get("sleep", False), "offload_optimizer": block.get("offload_optimizer", False),
-                    "precision": block.get("precision") == "bf16"}
+                    "precision": block.get("precision") == "bf16",
+                    "attn_implementation": block.get("attn_implementation") == "flash_attention_2"}
         for key, used in gpu_only.items():
             if used:
                 raise LaunchConfigError(f"{stage}.{key} = {_value(block, key)!r} needs GPUs, but the stage's job has "
                                         f"none ({sources['gpus_per_node']} = 0); set gpus_per_node or change {key}")
         return
+    check_attention(stage, block)
+    if stage == "rl" and block.get("colocate") and block.get("async_rollouts"):
+        raise LaunchConfigError(f"{stage}.async_rollouts = {block['async_rollouts']} overlaps generation with training, "
+                                f"but with {stage}.colocate = true on GPUs the engines and the trainers share the same "
+                                "GPUs, which run one at a time: nothing would overlap; set async_rollouts: 0, or "
+                                "colocate: false (engines on GPUs of their own)")
     roles = gpus_needed(stage, block)
     if not roles:
         return
@@ -229,6 +237,26 @@ def check_fits(stage: str, params: dict, resources: dict, sources: dict) -> None
     if vllm.get("sleep") and not (shared and block.get("zero_stage") == 3):
         raise LaunchConfigError(f"{stage}.vllm.sleep needs colocate: true and zero_stage: 3 (DeepSpeed's ZeRO-3 "
                                 "states leave the GPUs while vLLM generates)")
+
+
+def check_attention(stage: str, block: dict) -> None:
+    """On GPUs: flash_attention_2 only where the flash-attn package is installed (envs/gpu.txt cannot hold it: PyPI has
+    only its source, which builds with nvcc against the node's torch and CUDA), and packing only with it. With sdpa or
+    eager, transformers turns a packed row's position ids into a dense block-diagonal mask over the whole row
+    (masking_utils): attention over N x N positions, slower than the padding it saves (~1.9x at 8B and 32k packed
+    tokens), and eager's N x N scores run out of memory."""
+    attention = block.get("attn_implementation")
+    if attention == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
+        raise LaunchConfigError(
+            f"{stage}.attn_implementation = 'flash_attention_2' needs the flash-attn package, which this environment "
+            "lacks (PyPI has no wheel of it, only its source: build it on a GPU node with `pip install flash-attn "
+            "--no-build-isolation` into .venv-gpu, nvcc and torch's CUDA needed); or set attn_implementation: sdpa")
+    if block.get("packing") and attention in ("sdpa", "eager"):
+        raise LaunchConfigError(
+            f"{stage}.packing = true with {stage}.attn_implementation = {attention!r} on GPUs: transformers would build "
+            "a dense block-diagonal mask over each whole packed row, attending over N x N positions (slower than the "
+            "padding packing saves; eager runs out of memory); packing on GPUs needs attn_implementation: "
+            "flash_attention_2 (its variable-length kernel), or set packing: false")
 
 
 def machine_memory_gb() -> float:

@@ -12,7 +12,9 @@ Each rank reports where it runs (node, process, GPU ids): `placements`, which th
 (stage.json and MLflow tags), and a line in the log.
 """
 import os
+import shutil
 import socket
+import subprocess
 
 import ray
 from ray.util.placement_group import placement_group
@@ -24,6 +26,50 @@ PLACEMENT_TIMEOUT_S = 300
 def cluster_gpus() -> int:
     """GPUs in the stage's Ray cluster (what the job's nodes declared: Slurm's --gpus-per-node)."""
     return int(ray.cluster_resources().get("GPU", 0))
+
+
+def gpu_compute_modes() -> dict[str, str]:
+    """This node's GPUs' compute modes as nvidia-smi names them ("Default", "Exclusive_Process", "Prohibited"), by
+    GPU index; {} where nvidia-smi is absent or fails (nothing to tell)."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return {}
+    query = subprocess.run([smi, "--query-gpu=index,compute_mode", "--format=csv,noheader"], capture_output=True,
+                           text=True, timeout=60)
+    rows = [line.split(",") for line in query.stdout.splitlines() if line.count(",") == 1]
+    return {index.strip(): mode.strip() for index, mode in rows} if query.returncode == 0 else {}
+
+
+@ray.remote(num_cpus=0)
+def node_compute_modes() -> tuple[str, dict[str, str]]:
+    return socket.gethostname(), gpu_compute_modes()
+
+
+def check_gpus_shareable(why: str) -> None:
+    """Several processes on one GPU (colocated roles, CUDA IPC, a tensor-parallel engine's actor beside its vLLM
+    worker) need every GPU of the job in compute mode Default: under EXCLUSIVE_PROCESS, common on Slurm sites, the
+    second process's first CUDA call fails, far from its cause. Asks nvidia-smi on every node of the stage's cluster
+    and fails at the start, naming the GPUs; `why` says what shares them."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+    nodes = [node["NodeID"] for node in ray.nodes() if node["Alive"] and node["Resources"].get("GPU")]
+    found = ray.get([node_compute_modes.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False))
+                     .remote() for node in nodes])
+    problem = compute_mode_problem(found, why)
+    if problem:
+        raise RuntimeError(problem)
+
+
+def compute_mode_problem(found: list[tuple[str, dict[str, str]]], why: str) -> str | None:
+    """The failure message for the GPUs not in compute mode Default, from (host, {index: mode}) per node; None if all
+    are."""
+    wrong = [f"{host} GPU {index}: {mode}" for host, modes in found for index, mode in modes.items()
+             if mode.lower() != "default"]
+    if not wrong:
+        return None
+    return (f"{why} puts several processes on one GPU, which needs the GPUs' compute mode Default; found "
+            f"{', '.join(wrong)} (nvidia-smi --query-gpu=index,compute_mode). Ask your cluster's admins for a partition "
+            "or an sbatch option with compute mode Default (some sites: --gpu-compute-mode or a constraint), or set "
+            "rl.colocate: false and vllm.tensor_parallel_size: 1 (one process per GPU)")
 
 
 def reserve(bundles: list[dict], strategy: str, what: str):

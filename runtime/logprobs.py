@@ -51,21 +51,29 @@ def on_device(batch: dict, model) -> dict:
     return {key: value.to(target) for key, value in batch.items()}
 
 
-def response_logits(model, batch: dict):
+def response_logits(model, batch: dict, temperature: float = 1.0):
     """Next-token logits at the positions that predict response tokens (B, K, V), their labels (B, K) and the
-    response mask (B, K), on the model's device. The output layer, a large share of a small model's compute over a
+    response mask (B, K), on the model's device; divided by `temperature`, the distribution vLLM samples from (RL's
+    importance ratios compare the trainer's log-probs with vLLM's, which are tempered: rollout.engine_options). The output layer, a large share of a small model's compute over a
     49k vocabulary, runs only from the first response position of the (right-padded) batch on, not over the prompts.
     A packed batch (pad_prompt_response(packed=True)) gives the same (B, K) results from its one row (packed_logits)."""
     mask = batch["loss_mask"][:, 1:]
     start = int(mask.any(0).nonzero()[0, 0]) if mask.any() else 0  # on the CPU batch: no device sync
     if "packed_ids" in batch:
-        logits = packed_logits(model, batch, start)
+        logits = tempered(packed_logits(model, batch, start), temperature)
         return logits, batch["input_ids"][:, 1 + start:].to(logits.device), \
             batch["loss_mask"][:, 1 + start:].to(logits.device)
     batch = on_device(batch, model)
+    # use_cache=False: a forward that generates nothing needs no KV cache (~4 GB per forward at 8B)
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                   logits_to_keep=mask.shape[1] + 1 - start).logits[:, :-1]
-    return logits, batch["input_ids"][:, 1 + start:], batch["loss_mask"][:, 1 + start:]
+                   logits_to_keep=mask.shape[1] + 1 - start, use_cache=False).logits[:, :-1]
+    return tempered(logits, temperature), batch["input_ids"][:, 1 + start:], batch["loss_mask"][:, 1 + start:]
+
+
+def tempered(logits: Tensor, temperature: float) -> Tensor:
+    """logits / temperature, in place (no second copy of the logits; autograd allows it: the output layer's backward
+    does not read its output)."""
+    return logits if temperature == 1.0 else logits.div_(temperature)
 
 
 def packed_logits(model, batch: dict, start: int) -> Tensor:
@@ -88,9 +96,9 @@ def packed_logits(model, batch: dict, start: int) -> Tensor:
     return logits[index.to(target)]
 
 
-def response_logprobs(model, batch: dict):
+def response_logprobs(model, batch: dict, temperature: float = 1.0):
     """Log-probability of each response token (B, K), zeroed elsewhere, and the mask (B, K) (see response_logits)."""
-    logits, labels, mask = response_logits(model, batch)
+    logits, labels, mask = response_logits(model, batch, temperature)
     return token_logprobs(logits, labels) * mask, mask
 
 

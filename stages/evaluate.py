@@ -32,7 +32,7 @@ import ray
 import torch
 
 from runtime import data
-from runtime.actor_group import actor_threads, cluster_gpus
+from runtime.actor_group import actor_threads, check_gpus_shareable, cluster_gpus
 from runtime.logprobs import (LOGITS_CHUNK_BYTES, logit_chunks, on_device, pad_prompt_response, response_logits,
                               token_logprobs)
 from runtime.models import load_causal_lm, load_reward_model, load_tokenizer, model_dtype, release_cached_memory
@@ -138,8 +138,8 @@ class Scorer:
         for i in range(0, len(prompts), SCORE_BATCH):
             batch = on_device(pad_prompt_response(prompts[i:i + SCORE_BATCH], responses[i:i + SCORE_BATCH],
                                                   self.pad_id), self.reward_model)
-            scores += self.reward_model(input_ids=batch["input_ids"],
-                                        attention_mask=batch["attention_mask"]).logits[:, 0].tolist()
+            scores += self.reward_model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                                        use_cache=False).logits[:, 0].tolist()
         return scores
 
     @torch.no_grad()
@@ -197,6 +197,9 @@ def run(cfg: Config, inputs: dict, output: Path, tracker) -> None:
     sampling = (1, cfg.temperature, cfg.top_p, cfg.max_new_tokens, sampling_seed(cfg.seed, "evaluate"))
     if on_ray:
         gpus = cluster_gpus() > 0
+        if gpus and cfg.vllm["tensor_parallel_size"] > 1:
+            check_gpus_shareable(f"evaluate.vllm.tensor_parallel_size = {cfg.vllm['tensor_parallel_size']} (an "
+                                 "engine's actor beside its vLLM worker)")
         engines = start_engines(str(inputs["model"]), cfg.seed, max_len, cfg.vllm, threads, 1, gpus,
                                 engine_cls=Engine)
         new_scorer = lambda: ray.remote(num_cpus=1, num_gpus=node_gpus())(Scorer).remote(

@@ -40,7 +40,8 @@ def score_pairs(model, tokenizer, rows: list[dict]) -> tuple[torch.Tensor, torch
     """Rewards of prompt+chosen and prompt+rejected, one forward pass over both: (B,), (B,), in float32 (a bf16 score
     would round the small margins the loss depends on)."""
     batch = on_device(pair_batch(tokenizer, rows), model)
-    rewards = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.squeeze(-1).float()
+    rewards = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                    use_cache=False).logits.squeeze(-1).float()
     return rewards[:len(rows)], rewards[len(rows):]
 
 

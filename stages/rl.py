@@ -96,16 +96,6 @@ def train_on(group: ActorGroup, cfg: Config, rollout: Rollout, rng: random.Rando
     return {k: statistics.fmean(s[k] for s in stats) for k in stats[0]}
 
 
-def sync_weights(roles: Roles) -> None:
-    """Trainer -> vLLM in memory, one module's weights at a time (runtime/weight_sync.py: through shared memory
-    on CPU, an NCCL broadcast or CUDA IPC on GPUs); the engines then drop prefixes cached with the old weights."""
-    if roles.engines_asleep:
-        ray.get([engine.wake_up.remote(["weights"]) for engine in roles.engines])
-    roles.policy.call("send_weights", roles.engines, roles.weight_mode)
-    if roles.weight_mode != "memory":
-        ray.get([engine.finish_weight_update.remote() for engine in roles.engines])
-
-
 def next_prompts(count: int, order: list[dict], prompts: list[dict], rng: random.Random) -> tuple[list, list]:
     """The next `count` prompts of the run's order, and the order left: passes over the prompts, each in a seeded
     order, none twice in a pass, none skipped."""
@@ -199,7 +189,7 @@ def run(cfg: Config, inputs: dict, output: Path, tracker) -> None:
         order = [by_id[i] for i in state["order"]]
         version, internal, gauss = state["order_rng"]
         rng.setstate((version, tuple(internal), gauss))
-        sync_weights(roles)
+        roles.sync_weights()
         tracker.log_metrics({"resumed_from_step": step}, step=step)
     else:
         eval_before = held_out_reward(roles, cfg, eval_prompts)
@@ -244,7 +234,7 @@ def run(cfg: Config, inputs: dict, output: Path, tracker) -> None:
             ahead.result()  # the engines are done with the old weights before they take the new (raises its error)
             timings["time_wait_rollout"] += time.perf_counter() - t0
             t0 = time.perf_counter()
-        sync_weights(roles)
+        roles.sync_weights()
         timings["time_weight_sync"] = time.perf_counter() - t0
         step = s + 1
         kl_coef = adapt_kl(kl_coef, metrics["kl"], cfg)

@@ -6,12 +6,16 @@
 2. Ray started with GPUs declared: each trainer rank, frozen-model rank and vLLM engine gets its own GPU ids and
    the CUDA_VISIBLE_DEVICES that follows from them; colocated roles share the GPUs of one placement group; a
    tensor-parallel engine names its bundles for vLLM's Ray workers.
+   rl.vllm.sleep's cycle (the held-out reward, step 0 with a dynamic-sampling round, a sync, the held-out reward
+   again) against an engine with vLLM 0.32's sleep and wake_up semantics: every generation runs on the weights the
+   policy last sent (it waited forever at step 0 when only the KV cache woke).
 3. A rank's process leaves out the MLflow and scikit-learn that DeepSpeed and transformers would import.
 """
 import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -23,7 +27,7 @@ from launcher.config import stage_config, validate_config
 from runtime.actor_group import ActorGroup, bundles, reserve
 from runtime.experience import Rollout
 from runtime.logprobs import response_logprobs
-from runtime.rl_actors import CriticWorker, PolicyWorker
+from runtime.rl_actors import CriticWorker, PolicyWorker, Roles
 from runtime.rollout import ENGINE_ACTOR_GPU, engine_options, engine_placement, start_engines
 from stages import dpo, reward_model, rl, sft
 
@@ -166,6 +170,96 @@ def test_colocated_roles_share_each_gpu(ray_with_gpus):
     policy.shutdown()
     reference.shutdown()
     ray.util.remove_placement_group(shared)
+
+
+class SleepingEngine:
+    """A GPU engine's sleep and wake-up as vLLM 0.32 does them (vllm/v1/engine/core.py, vllm/v1/executor/abstract.py,
+    vllm/v1/worker/gpu_worker.py), with VLLMEngine's methods: sleep(level) frees weights and KV cache, level 1 keeping
+    the weights in CPU memory, level 2 discarding them (they come back as unset memory, here None); a second sleep
+    does nothing; wake_up(tags) brings back those tags (None: all), none if a tag is not asleep; the scheduler
+    resumes only once nothing sleeps, and until then a request waits (LLM.generate loops, forever: here WAIT_S).
+    Weights are the version number the policy sends."""
+    WAIT_S = 2.0
+
+    def __init__(self):
+        self.sleeping, self.weights, self.cpu_copy, self.used = set(), 0, None, []
+
+    def sleep(self, level: int = 1) -> None:
+        if "weights" not in self.sleeping:
+            self.cpu_copy, self.weights = (self.weights if level == 1 else None), None
+            self.sleeping = {"weights", "kv_cache"}
+
+    def wake_up(self, tags=None) -> None:
+        tags = set(tags or self.sleeping)
+        if self.sleeping and tags <= self.sleeping:
+            if "weights" in tags:
+                self.weights = self.cpu_copy
+            self.sleeping -= tags
+
+    def receive(self, version: int) -> None:
+        assert "weights" not in self.sleeping, "a weight loaded into memory vLLM has unmapped"
+        self.weights = version
+
+    def finish_weight_update(self) -> None:
+        pass
+
+    def generate(self, prompt_token_ids, n, temperature, top_p, max_new_tokens, seed, ignore_eos=False):
+        deadline = time.monotonic() + self.WAIT_S
+        while self.sleeping:  # (nothing can wake it while this call runs: the actor runs one call at a time)
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"vLLM's scheduler stays paused while {sorted(self.sleeping)} sleep: generate waits")
+            time.sleep(0.05)
+        self.used.append(self.weights)
+        return [[{"token_ids": [1 + j], "text": f"response {j}", "truncated": False, "logprobs": [-1.0]}
+                 for j in range(n)] for _ in prompt_token_ids]
+
+    def weights_used(self) -> list:
+        return self.used
+
+
+class SleepPolicy:
+    """The policy's ActorGroup as Roles calls it: offload and reload of its states, and send_weights, which hands the
+    engines its weights' version."""
+
+    def __init__(self):
+        self.version, self.calls = 0, []
+
+    def call(self, method: str, *args):
+        self.calls.append(method)
+        if method == "send_weights":
+            engines, _mode = args
+            ray.get([engine.receive.remote(self.version) for engine in engines])
+        return [None]
+
+
+@pytest.mark.e2e
+def test_sleeping_engines_generate_with_the_weights_last_sent(ray_with_gpus):
+    engines = [ray.remote(SleepingEngine).remote() for _ in range(2)]
+    roles = Roles.__new__(Roles)  # Roles' own sleep, wake and sync, its actors stood in for
+    policy = SleepPolicy()
+    roles.sleeps, roles.engines_asleep, roles.engines, roles.weight_mode = True, set(), engines, "ipc"
+    roles.policy, roles.trainers, roles.reward_model, roles.reward_file = policy, {"policy": policy}, None, "equal.py"
+    roles.reward_fn = lambda prompts, completions, labels: [1.0] * len(completions)  # every group uninformative
+    cfg = stage_config(rl, {"rl": {"n_samples": 2, "rollout_batch_size": 2, "batch_size": 4, "micro_batch_size": 2,
+                                   "dynamic_sampling": True,
+                                   "max_generation_rounds": 2}})
+    prompts = [{"id": i, "prompt": f"p{i}", "prompt_ids": [3, 4 + i]} for i in range(4)]
+
+    assert rl.held_out_reward(roles, cfg, prompts) == 1.0
+    rollout, _, _, counts = rl.sample_step(roles, cfg, prompts[:2], lambda k: prompts[:k], seed=0)
+    assert counts["generation_rounds"] == 2 and len(rollout) == 4
+    policy.version = 1  # trained
+    roles.sync_weights()
+    rl.held_out_reward(roles, cfg, prompts)
+    # the held-out reward, step 0's two rounds, then the held-out reward after the update, each on the policy's
+    # weights (None: memory that sleep level 2 discarded)
+    assert [ray.get(engine.weights_used.remote()) for engine in engines] == [[0, 0, 0, 1]] * 2
+    assert roles.engines_asleep == {"weights", "kv_cache"}, "asleep after generating: the trainers have the GPUs"
+    generations = [i for i, call in enumerate(policy.calls) if call == "offload_states"]
+    assert len(generations) == 4 and all(policy.calls[i + 1] == "reload_states" for i in generations), policy.calls
+    assert policy.calls.count("send_weights") == 3, "resent before step 0 and its second round, sent once trained"
+    for engine in engines:
+        ray.kill(engine)
 
 
 def test_a_ranks_process_leaves_out_mlflow_and_scikit_learn():

@@ -14,6 +14,7 @@ import torch
 from runtime import checkpoints, models, trainer, weight_sync
 from runtime.builtin_data import load_reviews
 from runtime.experience import Rollout
+from runtime.logprobs import response_logprobs
 from runtime.rl_actors import PolicyWorker
 from runtime.rollout import VLLMEngine, start_engines
 from launcher.config import stage_config, validate_config
@@ -22,6 +23,7 @@ from stages import rl
 
 pytestmark = pytest.mark.e2e
 VLLM = validate_config({})["rl"]["vllm"]  # the schema's defaults (on CPU the engine uses the CPU build's settings)
+TEMPERATURE = 0.7  # the policy samples and is trained at (the demo's)
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +89,7 @@ def start_policy(base, zero_stage: int, lora_rank: int, batch_size: int):
                             "warmup_steps": 0, "max_grad_norm": 1.0, "checkpoint_every": 0,
                             **(lora if lora_rank else {}), "clip_low": 0.2, "clip_high": 0.2, "dual_clip": None,
                             "loss_agg": "token_mean", "is_cap": None, "entropy_coef": 0.0, "kl_in_reward": True,
-                            "kl_coef": 0.0, "kl_estimator": "k1", "value_clip": None}})
+                            "kl_coef": 0.0, "kl_estimator": "k1", "value_clip": None, "temperature": TEMPERATURE}})
     return trainer.start_workers(PolicyWorker, cfg, base, 3, Tracker(), cpus_per_actor=0.5)
 
 
@@ -102,7 +104,8 @@ def hf_greedy(model_dir, prompt_ids: list[list[int]], new_tokens: int) -> list[l
 def test_vllm_matches_trainer_after_each_sync(tmp_path, local_ray, zero_stage, lora_rank, engine_cls):
     """With LoRA, what vLLM gets (and the stage exports) is the merged model. An engine on the node of the policy's
     rank 0 reads the weights in its shared memory; one on another node, from the first sync, in Ray's object
-    store."""
+    store. At temperature 0.7 both sides give the log-probs of the tempered distribution the tokens were drawn from;
+    the untempered model's differ from vLLM's, so the gap measures something (it read ~0 when both were untempered)."""
     base, _ = tiny_base(tmp_path)
     tokenizer = models.load_tokenizer(base)
     prompt_ids = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in ("a gripping film", "the plot is")]
@@ -110,7 +113,7 @@ def test_vllm_matches_trainer_after_each_sync(tmp_path, local_ray, zero_stage, l
     engine = start_engines(str(base), 0, 64, VLLM, 1, 0.5, gpus=False, engine_cls=engine_cls)[0]
 
     def sample(seed: int) -> Rollout:
-        outputs = ray.get(engine.generate.remote(prompt_ids, 4, 1.0, 1.0, 8, seed))
+        outputs = ray.get(engine.generate.remote(prompt_ids, 4, TEMPERATURE, 1.0, 8, seed))
         samples = [(p, s) for p, out in zip(prompt_ids, outputs) for s in out]
         rows = Rollout.of([p for p, _ in samples], [s["token_ids"] for _, s in samples],
                           rollout_logp=[s["logprobs"] for _, s in samples])
@@ -126,6 +129,11 @@ def test_vllm_matches_trainer_after_each_sync(tmp_path, local_ray, zero_stage, l
         gap = statistics.fmean(abs(a - b) for a, b in zip(rows.old_logp[tokens].tolist(),
                                                           rows.rollout_logp[tokens].tolist()))
         assert gap < 1e-4, f"step {step}: vLLM samples from other weights than the trainer's (gap {gap:.4f})"
+        if step == 0:  # the untrained policy is the base model: its log-probs at temperature 1
+            untempered = rows.from_batch(*response_logprobs(models.load_causal_lm(base).eval(), rows.tokens(0)))
+            raw_gap = statistics.fmean(abs(a - b) for a, b in zip(untempered[tokens].tolist(),
+                                                                  rows.rollout_logp[tokens].tolist()))
+            assert raw_gap > 0.05, f"vLLM's log-probs are the untempered model's (gap to it {raw_gap:.4f})"
         rows.advantages = torch.tensor([1.0 if i % 2 else -1.0 for i in range(rows.mask.shape[1])]) * rows.mask
         policy.call_per_rank("train_step", [[rows]])
         assert policy.call("send_weights", [engine], "memory")[0] > 0
