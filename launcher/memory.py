@@ -218,6 +218,14 @@ def logits_gb(m: ModelSize, rows: int, positions: int, bytes_per_entry: int, chu
     return rows * positions * m.vocab * bytes_per_entry / GB + (LOGITS_CHUNKS_GB if chunked else 0.0)
 
 
+def packed_logits_gb(m: ModelSize, block: dict, rows: int, positions: int) -> dict:
+    """packing: runtime/logprobs.packed_logits computes the logits of the packed row (at most rows x positions) and
+    then lays them out per row, a second copy, both alive at that moment. Packing on GPUs runs flash-attention's
+    variable-length kernel (launcher/resources.check_attention refuses the dense block-diagonal mask of sdpa): no
+    mask to count."""
+    return {"packed row's logits": rows * positions * m.vocab * LOGITS_FORWARD / GB} if block.get("packing") else {}
+
+
 def vllm_share(vllm: dict, shares_gpu: bool) -> float:
     """The share of each engine GPU that vLLM takes, as runtime/rollout.engine_options resolves it."""
     return vllm["gpu_memory_utilization"] or (0.5 if shares_gpu else 0.9)
@@ -273,6 +281,7 @@ def _trainer_estimate(stage: str, block: dict, config: dict, sizes: dict, g: int
     train = held | {"activations": activations_gb(m, rows, seq, block["gradient_checkpointing"], width)}
     if head:
         train["logits"] = logits_gb(m, rows, logit_positions(rows, seq, response), LOGITS_TRAIN)
+        train |= packed_logits_gb(m, block, rows, logit_positions(rows, seq, response))
     if stage == "dpo" and block["loss"] == "kto":  # KTO's KL reference point: a forward of the mismatched pairs
         train["forward pass"] = forward_gb(m, block["micro_batch_size"], seq, width)
     # Forwards where nothing trains, in pieces of forward_micro_batch_size rows (pairs; null: micro_batch_size;
@@ -283,6 +292,7 @@ def _trainer_estimate(stage: str, block: dict, config: dict, sizes: dict, g: int
     forward = held | {"forward pass": forward_gb(m, forward_rows, seq, width)}
     if head:
         forward["logits"] = logits_gb(m, forward_rows, logit_positions(forward_rows, seq, response), LOGITS_FORWARD)
+        forward |= packed_logits_gb(m, block, forward_rows, logit_positions(forward_rows, seq, response))
     ranks = min(W, g)
     processes = {"processes": HOST_PER_PROCESS_GB * ranks}
     load = dict(processes)
@@ -367,10 +377,12 @@ def _rl_estimate(rl: dict, data: dict, sizes: dict, g: int, gpu_gb: float) -> Es
     forward_rows = rl["forward_micro_batch_size"] or math.ceil(prompts * rl["n_samples"] / min(W, F))
     mb = rl["micro_batch_size"]
     logprobs_pass = {"forward pass": forward_gb(m, forward_rows, seq, width),
-                     "logits": logits_gb(m, forward_rows, logit_positions(forward_rows, seq, new), LOGITS_FORWARD)}
+                     "logits": logits_gb(m, forward_rows, logit_positions(forward_rows, seq, new), LOGITS_FORWARD)} \
+        | packed_logits_gb(m, rl, forward_rows, logit_positions(forward_rows, seq, new))
     policy_step = {"activations": activations_gb(m, mb, seq, rl["gradient_checkpointing"], width),
                    "logits": logits_gb(m, mb, logit_positions(mb, seq, new),
-                                       LOGITS_TRAIN + (LOGITS_ENTROPY_BONUS if rl["entropy_coef"] else 0))}
+                                       LOGITS_TRAIN + (LOGITS_ENTROPY_BONUS if rl["entropy_coef"] else 0))} \
+        | packed_logits_gb(m, rl, mb, logit_positions(mb, seq, new))
     states = training_states(m, rl, W, "policy") | (training_states(m, rl, W, "critic") if critic else {})
     max_model_len = data["max_prompt_tokens"] + new + 8  # stages/rl.py's max_len
     notes = []
@@ -443,10 +455,9 @@ def _rl_host(rl: dict, m: ModelSize, rm: ModelSize, g: int, critic: bool, reward
         train["offloaded optimizer states"] = offloaded_optimizer_gb(m, rl, W) * trainer_ranks
     host = {"load": load, "experience and training": train}
     if rl["vllm"]["sleep"]:
-        # vLLM's weights wait in CPU memory while DeepSpeed trains (sleep level 1); while vLLM generates, the
-        # trainers' gradients, fp32 master weights and optimizer states do (runtime/deepspeed_strategy.offload_states)
-        engines_on_node = min(engine_gpus, g) / rl["vllm"]["tensor_parallel_size"]
-        train["sleeping vLLM weights"] = width * m.params * engines_on_node / GB
+        # vLLM sleeps at level 2 (its weights discarded, resent by the sync: nothing of it in CPU memory); while it
+        # generates, the trainers' gradients, fp32 master weights and optimizer states wait there
+        # (runtime/deepspeed_strategy.offload_states)
         offloaded = 14 * trained_params(m, rl) / W * trainer_ranks / GB  # gradients 2 B, master and Adam 12 B
         host["generation"] = on_node | {"offloaded training states": offloaded}
     host["save"] = train | {"rank 0's copy of the policy (bf16)": 2 * m.params / GB}

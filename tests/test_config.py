@@ -54,6 +54,8 @@ def test_shipped_configs_are_valid():
     ({"rl": {"variants": {"ppo": {"estimatr": "gae"}}}}, ["unknown key rl.variants.ppo.estimatr", "estimator"]),
     ({"rl": {"variants": GRPO}, "evaluate": {"models": ["base", "ppo"]}}, ["evaluate.models.1", "'ppo'", "grpo"]),
     ({"dpo": {"lora_rank": 8, "lora_targets": ["q_proj", "qkv"]}}, ["dpo.lora_targets", "qkv", "v_proj"]),
+    ({"rl": {"variants": {"grpo": {"top_p": 0.9}}}}, ["rl.variants.grpo: top_p = 0.9", "whole vocabulary",
+                                                      "set top_p: 1.0"]),
 ])
 def test_bad_config_names_key_and_valid_values(raw, expected):
     with pytest.raises(ConfigError) as err:

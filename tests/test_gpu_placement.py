@@ -11,6 +11,7 @@ the same forwards:
    run the same number of forwards (else the one with more waits in a gather forever) and the results equal one
    rank's.
 """
+import importlib.util
 import os
 import sys
 import tempfile
@@ -25,7 +26,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from launcher.config import REPO_ROOT, load_config_files, stage_config, stage_jobs, validate_config
 from launcher.resources import check_stages
 from runtime import models
-from runtime.actor_group import ActorGroup, actor_threads
+from runtime.actor_group import ActorGroup, actor_threads, compute_mode_problem, gpu_compute_modes
 from runtime.builtin_data import load_reviews
 from runtime.deepspeed_strategy import Rank
 from runtime.experience import Rollout, split_call
@@ -35,6 +36,7 @@ from stages import rl
 
 EXAMPLE = [REPO_ROOT / "config" / "examples" / "llama3-8b-grpo.yaml"]  # on its own, as --configfile reads it
 CALL_TIMEOUT_S = 120  # a hang in a collective shows as a timeout
+REAL_FIND_SPEC = importlib.util.find_spec
 
 
 def rl_problems(**rl_overrides) -> list[str]:
@@ -62,6 +64,46 @@ def test_tensor_parallel_engines_that_cannot_lie_on_one_node_are_refused():
     [problem] = [p for p in check_stages(stage_jobs(validate_config(config)), config["launcher"]) if "stage rl" in p]
     assert "2 engines x tensor_parallel_size 4 = 8 GPUs span nodes of 6 GPUs" in problem, problem
     assert "choose a tensor_parallel_size that divides 6" in problem
+
+
+def test_gpu_settings_that_would_fail_or_gain_nothing_are_refused_before_queueing(monkeypatch):
+    """On GPUs: flash_attention_2 without the flash-attn package (it would fail at the first model load, in the job);
+    packing with sdpa or eager (a dense mask over the packed row: slower than padding, eager out of memory);
+    async_rollouts with colocated roles (nothing can overlap on shared GPUs). On CPU flash_attention_2 needs GPUs."""
+    flash_attn = lambda found: lambda name, *args: found if name == "flash_attn" else REAL_FIND_SPEC(name, *args)
+    monkeypatch.setattr(importlib.util, "find_spec", flash_attn(None))
+    [problem] = rl_problems(attn_implementation="flash_attention_2")
+    assert "rl.attn_implementation = 'flash_attention_2' needs the flash-attn package, which this environment lacks" \
+        in problem and "pip install flash-attn --no-build-isolation" in problem, problem
+    [problem] = rl_problems(packing=True)
+    assert "rl.packing = true with rl.attn_implementation = 'sdpa' on GPUs" in problem, problem
+    assert "needs attn_implementation: flash_attention_2" in problem
+    monkeypatch.setattr(importlib.util, "find_spec", flash_attn(object()))
+    assert rl_problems(attn_implementation="flash_attention_2", packing=True) == []  # where flash-attn is installed
+    [problem] = rl_problems(async_rollouts=1, vllm={"sleep": False})
+    assert "rl.async_rollouts = 1 overlaps generation with training, but with rl.colocate = true" in problem, problem
+    assert rl_problems(async_rollouts=1, colocate=False, num_workers=4, frozen_ranks=2,
+                       vllm={"num_engines": 2, "sleep": False}) == []
+    config = validate_config({"sft": {"attn_implementation": "flash_attention_2"}, "data": {"sft": {"path": "x"}}})
+    problems = check_stages(stage_jobs(config), config["launcher"])
+    assert any("sft.attn_implementation = 'flash_attention_2' needs GPUs" in p for p in problems), problems
+
+
+def test_a_gpu_not_in_compute_mode_default_is_named_at_the_start(tmp_path, monkeypatch):
+    """Colocation and CUDA IPC need several processes on a GPU: nvidia-smi's compute modes are read (here a stand-in
+    nvidia-smi on PATH prints them) and a GPU in EXCLUSIVE_PROCESS mode fails the job at its start, named."""
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text("#!/bin/sh\necho '0, Default'\necho '1, Exclusive_Process'\n")
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    modes = gpu_compute_modes()
+    assert modes == {"0": "Default", "1": "Exclusive_Process"}
+    problem = compute_mode_problem([("node7", modes)], "rl.colocate: true")
+    assert "rl.colocate: true puts several processes on one GPU" in problem and "node7 GPU 1: Exclusive_Process" in \
+        problem and "GPU 0" not in problem, problem
+    assert compute_mode_problem([("node7", {"0": "Default"}), ("node8", {})], "x") is None
+    monkeypatch.setenv("PATH", str(tmp_path / "none"))
+    assert gpu_compute_modes() == {}  # no nvidia-smi: nothing to tell
 
 
 def test_actor_threads_follow_what_the_actor_reserves():

@@ -240,3 +240,21 @@ def test_a_model_config_that_cannot_be_had_skips_the_plan(tmp_path):
     assert proc.returncode == 0, proc.stdout[-4000:]
     skipped = [line for line in proc.stderr.splitlines() if "memory plan skipped" in line]
     assert len(skipped) == 1 and "model.path = 'meta-llama/Meta-Llama-3-8B-Instruct'" in skipped[0], proc.stderr
+
+
+def test_packing_counts_the_packed_rows_logits_and_sleeping_engines_nothing_on_the_host():
+    """Packing's forwards hold the packed row's logits and their copy laid out per row at once (logprobs.packed_logits):
+    the plan counts both. Engines asleep at level 2 keep nothing in CPU memory (their weights are resent)."""
+    config = load_example(example_file("llama3-8b-grpo"))
+    (_, _, params), = [j for j in stage_jobs(config) if j[0] == "rl"]
+    resources, _ = stage_resources("rl", config["launcher"])
+    plain = estimate("rl", params, config, hub_sizes(config), resources, 80)
+    params = params | {"rl": params["rl"] | {"packing": True, "attn_implementation": "flash_attention_2"}}
+    packed = estimate("rl", params, config, hub_sizes(config), resources, 80)
+    training = "every role's GPU: training"
+    # the same positions, once in bf16 (the training logits count them twice: values and gradient)
+    assert packed.gpu[training]["packed row's logits"] == pytest.approx(
+        (plain.gpu[training]["logits"] - LOGITS_CHUNKS_GB) / 2, rel=1e-9)
+    assert "packed row's logits" in packed.gpu["every role's GPU: experience"]
+    assert "packed row's logits" not in plain.gpu[training]
+    assert params["rl"]["vllm"]["sleep"] and not any("vLLM" in item for phase in plain.host.values() for item in phase)
