@@ -401,7 +401,8 @@ def _rl_estimate(rl: dict, data: dict, sizes: dict, g: int, gpu_gb: float) -> Es
             # the weight sync gathers one module's full weights at a time (the largest: the embedding or LM head);
             # under vllm.sleep it wakes vLLM's weights (not its KV cache) while the trainers hold their states
             "every role's GPU: weight sync": held | ({"vLLM weights": engine["vLLM weights"]} if sleep else engine)
-                                             | {"gathered module (bf16)": 2 * m.vocab * m.hidden / GB},
+                                             # and its copy offered over CUDA IPC (weight_sync.send_weights)
+                                             | {"gathered module and its IPC copy (bf16)": 2 * 2 * m.vocab * m.hidden / GB},
         }
     else:  # every role on GPUs of its own
         engine = vllm_items(m, vllm, vllm_share(vllm, shares_gpu=False) * gpu_gb, max_model_len, "rl.vllm", notes)

@@ -40,7 +40,6 @@ def gpu_compute_modes() -> dict[str, str]:
     return {index.strip(): mode.strip() for index, mode in rows} if query.returncode == 0 else {}
 
 
-@ray.remote(num_cpus=0)
 def node_compute_modes() -> tuple[str, dict[str, str]]:
     return socket.gethostname(), gpu_compute_modes()
 
@@ -52,8 +51,9 @@ def check_gpus_shareable(why: str) -> None:
     and fails at the start, naming the GPUs; `why` says what shares them."""
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
     nodes = [node["NodeID"] for node in ray.nodes() if node["Alive"] and node["Resources"].get("GPU")]
-    found = ray.get([node_compute_modes.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False))
-                     .remote() for node in nodes])
+    task = ray.remote(num_cpus=0)(node_compute_modes)
+    found = ray.get([task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote()
+                     for node in nodes])
     problem = compute_mode_problem(found, why)
     if problem:
         raise RuntimeError(problem)

@@ -51,29 +51,22 @@ def on_device(batch: dict, model) -> dict:
     return {key: value.to(target) for key, value in batch.items()}
 
 
-def response_logits(model, batch: dict, temperature: float = 1.0):
+def response_logits(model, batch: dict):
     """Next-token logits at the positions that predict response tokens (B, K, V), their labels (B, K) and the
-    response mask (B, K), on the model's device; divided by `temperature`, the distribution vLLM samples from (RL's
-    importance ratios compare the trainer's log-probs with vLLM's, which are tempered: rollout.engine_options). The output layer, a large share of a small model's compute over a
+    response mask (B, K), on the model's device. The output layer, a large share of a small model's compute over a
     49k vocabulary, runs only from the first response position of the (right-padded) batch on, not over the prompts.
     A packed batch (pad_prompt_response(packed=True)) gives the same (B, K) results from its one row (packed_logits)."""
     mask = batch["loss_mask"][:, 1:]
     start = int(mask.any(0).nonzero()[0, 0]) if mask.any() else 0  # on the CPU batch: no device sync
     if "packed_ids" in batch:
-        logits = tempered(packed_logits(model, batch, start), temperature)
+        logits = packed_logits(model, batch, start)
         return logits, batch["input_ids"][:, 1 + start:].to(logits.device), \
             batch["loss_mask"][:, 1 + start:].to(logits.device)
     batch = on_device(batch, model)
     # use_cache=False: a forward that generates nothing needs no KV cache (~4 GB per forward at 8B)
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                    logits_to_keep=mask.shape[1] + 1 - start, use_cache=False).logits[:, :-1]
-    return tempered(logits, temperature), batch["input_ids"][:, 1 + start:], batch["loss_mask"][:, 1 + start:]
-
-
-def tempered(logits: Tensor, temperature: float) -> Tensor:
-    """logits / temperature, in place (no second copy of the logits; autograd allows it: the output layer's backward
-    does not read its output)."""
-    return logits if temperature == 1.0 else logits.div_(temperature)
+    return logits, batch["input_ids"][:, 1 + start:], batch["loss_mask"][:, 1 + start:]
 
 
 def packed_logits(model, batch: dict, start: int) -> Tensor:
@@ -97,9 +90,10 @@ def packed_logits(model, batch: dict, start: int) -> Tensor:
 
 
 def response_logprobs(model, batch: dict, temperature: float = 1.0):
-    """Log-probability of each response token (B, K), zeroed elsewhere, and the mask (B, K) (see response_logits)."""
-    logits, labels, mask = response_logits(model, batch, temperature)
-    return token_logprobs(logits, labels) * mask, mask
+    """Log-probability of each response token (B, K) at `temperature` (token_logprobs), zeroed elsewhere, and the
+    mask (B, K) (see response_logits)."""
+    logits, labels, mask = response_logits(model, batch)
+    return token_logprobs(logits, labels, temperature) * mask, mask
 
 
 # float32 logits made at a time by token_logprobs and entropy_from_logits: 64 MiB is 128 positions at a 128k
@@ -116,20 +110,30 @@ def logit_chunks(logits: Tensor, max_bytes: int):
             yield row, slice(start, start + step)
 
 
+def float_chunk(logits: Tensor, row: int, span: slice, temperature: float) -> Tensor:
+    """One chunk of the logits in float32, divided by the sampling temperature there (in float32, as vLLM's sampler
+    does: dividing bf16 logits would round them again). A copy where it divides (float32 logits' .float() would be
+    the logits themselves)."""
+    if temperature == 1.0:
+        return logits[row, span].float()
+    return logits[row, span].to(torch.float32, copy=True).div_(temperature)
+
+
 class TokenLogprobs(torch.autograd.Function):
-    """log p(label) = z_label - logsumexp(z) over a chunk of positions at a time, forward and backward. The graph
-    keeps only the logits (which the model's graph holds anyway) and the (B, T) logsumexp; no float32 copy of them."""
+    """log p(label) = z_label - logsumexp(z), z = logits / temperature, over a chunk of positions at a time, forward
+    and backward. The graph keeps only the logits (which the model's graph holds anyway) and the (B, T) logsumexp; no
+    float32 copy of them."""
 
     @staticmethod
-    def forward(ctx, logits: Tensor, labels: Tensor, max_bytes: int) -> Tensor:
+    def forward(ctx, logits: Tensor, labels: Tensor, max_bytes: int, temperature: float) -> Tensor:
         logp = torch.empty(labels.shape, dtype=torch.float32, device=logits.device)
         lse = torch.empty_like(logp)
         for row, span in logit_chunks(logits, max_bytes):
-            z = logits[row, span].float()
+            z = float_chunk(logits, row, span, temperature)
             lse[row, span] = torch.logsumexp(z, dim=-1)
             logp[row, span] = z.gather(-1, labels[row, span, None]).squeeze(-1) - lse[row, span]
         ctx.save_for_backward(logits, labels, lse)
-        ctx.max_bytes = max_bytes
+        ctx.max_bytes, ctx.temperature = max_bytes, temperature
         return logp
 
     @staticmethod
@@ -137,29 +141,32 @@ class TokenLogprobs(torch.autograd.Function):
         logits, labels, lse = ctx.saved_tensors
         grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
         for row, span in logit_chunks(logits, ctx.max_bytes):
-            g = grad_logp[row, span, None]
-            # d log p(y) / d z_v = 1[v = y] - softmax(z)_v
-            chunk = (logits[row, span].float() - lse[row, span, None]).exp_().mul_(-g)
+            g = grad_logp[row, span, None] / ctx.temperature
+            # d log p(y) / d logits_v = (1[v = y] - softmax(z)_v) / temperature
+            chunk = (float_chunk(logits, row, span, ctx.temperature) - lse[row, span, None]).exp_().mul_(-g)
             grad[row, span] = chunk.scatter_add_(-1, labels[row, span, None], g)
-        return grad, None, None
+        return grad, None, None, None
 
 
-def token_logprobs(logits: Tensor, labels: Tensor, max_bytes: int = LOGITS_CHUNK_BYTES) -> Tensor:
-    """log p(label) per position: logits (B, T, V), labels (B, T) -> (B, T), in float32.
+def token_logprobs(logits: Tensor, labels: Tensor, temperature: float = 1.0,
+                   max_bytes: int = LOGITS_CHUNK_BYTES) -> Tensor:
+    """log p(label) per position under softmax(logits / temperature): logits (B, T, V), labels (B, T) -> (B, T), in
+    float32. RL takes them at its sampling temperature: the distribution vLLM samples from, whose log-probs it returns
+    (rollout.engine_options), so that the importance ratios compare the same distribution.
 
     float32: a log-softmax in bf16 loses the small differences that ratios and KL depend on. Memory: the float32
     logits are made `max_bytes` at a time; with that chunk's temporaries the call needs at most 4 * max_bytes beyond
     its input and (B, T) output (256 MiB by default), and its backward pass beyond that only the logits' gradient."""
-    return TokenLogprobs.apply(logits, labels, max_bytes)
+    return TokenLogprobs.apply(logits, labels, max_bytes, temperature)
 
 
-def entropy_from_logits(logits: Tensor, max_bytes: int = LOGITS_CHUNK_BYTES) -> Tensor:
-    """Entropy of the next-token distribution: logits (B, T, V) -> (B, T), in float32. Memory as token_logprobs'
-    without autograd (at most 4 * max_bytes beyond input and output); with autograd (an entropy bonus trained on)
-    the graph keeps every chunk's float32 logits and probabilities for the backward pass."""
+def entropy_from_logits(logits: Tensor, temperature: float = 1.0, max_bytes: int = LOGITS_CHUNK_BYTES) -> Tensor:
+    """Entropy of the next-token distribution softmax(logits / temperature): logits (B, T, V) -> (B, T), in float32.
+    Memory as token_logprobs' without autograd (at most 4 * max_bytes beyond input and output); with autograd (an
+    entropy bonus trained on) the graph keeps every chunk's float32 logits and probabilities for the backward pass."""
     entropy = torch.empty(logits.shape[:2], dtype=torch.float32, device=logits.device)
     for row, span in logit_chunks(logits, max_bytes):
-        z = logits[row, span].float()
+        z = float_chunk(logits, row, span, temperature)
         # H = -sum p log p = logsumexp(z) - sum p z
         entropy[row, span] = torch.logsumexp(z, dim=-1) - (torch.softmax(z, dim=-1) * z).sum(-1)
     return entropy

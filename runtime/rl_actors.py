@@ -46,8 +46,8 @@ class PolicyWorker(DeepSpeedWorker):
     def loss(self, rollout: Rollout):
         cfg = self.cfg
         batch = rollout.tokens(self.pad_id, cfg.packing)
-        logits, labels, mask = response_logits(self.engine, batch, cfg.temperature)  # (the entropy too: tempered)
-        logp = token_logprobs(logits, labels) * mask
+        logits, labels, mask = response_logits(self.engine, batch)
+        logp = token_logprobs(logits, labels, cfg.temperature) * mask
         # Without old log-probs (see experience.trains_once) the old policy is the current one: the ratio is 1.
         old = rollout.to_batch(rollout.old_logp, mask) if rollout.old_logp is not None else logp.detach()
         is_weight = None
@@ -68,7 +68,7 @@ class PolicyWorker(DeepSpeedWorker):
                                                  cfg.dual_clip, cfg.loss_agg, is_weight)
         # The entropy over the whole vocabulary is a (B, K, V) computation: without autograd unless it is trained on.
         with torch.set_grad_enabled(torch.is_grad_enabled() and bool(cfg.entropy_coef)):
-            entropy = losses.masked_mean(entropy_from_logits(logits), mask)
+            entropy = losses.masked_mean(entropy_from_logits(logits, cfg.temperature), mask)  # (the sampled one's)
         if cfg.entropy_coef:
             loss = loss - cfg.entropy_coef * entropy
         stats = {"policy_loss": loss.detach(), "clip_fraction": clip_frac.detach(), "entropy": entropy.detach(),
@@ -123,6 +123,7 @@ class FrozenScorer(DeepSpeedWorker):
     rank's device, `forward_micro_batch_size` rows at a time. With several ranks and ZeRO-3 (`frozen_ranks`,
     `zero_stage` 3) the weights are sharded across the ranks, each scoring its share of the rows."""
     packing = False  # the reference's forwards packed (rl.packing; setup sets it)
+    temperature = 1.0  # the reference's log-probs at the sampling temperature (setup sets it)
 
     def setup(self, cfg, rank: Rank, kind: str) -> None:
         self.tokenizer = load_tokenizer(rank.model_dir)
@@ -280,7 +281,10 @@ class Roles:
         for group in self.trainers.values():
             group.call("offload_states")
         if self.engines_asleep:
-            ray.get([engine.wake_up.remote(sorted(self.engines_asleep)) for engine in self.engines])
+            awake = ray.get([engine.wake_up.remote(sorted(self.engines_asleep)) for engine in self.engines])
+            if not all(awake):  # vLLM ignores a wake-up of tags it does not have asleep: generate would wait forever
+                raise RuntimeError(f"vLLM engines {[i for i, a in enumerate(awake) if not a]} are not wholly awake "
+                                   f"after wake_up({sorted(self.engines_asleep)})")
             self.engines_asleep = set()
 
     def after_generate(self) -> None:

@@ -208,6 +208,7 @@ class VLLMEngine:
         the weights in CPU memory, level 2 discards them (a weight sync must then refill them)."""
         self.llm.sleep(level=level)
 
-    def wake_up(self, tags: list[str] | None = None) -> None:
-        self.llm.wake_up(tags=tags)
+    def wake_up(self, tags: list[str] | None = None) -> bool:
+        """Whether the engine is now wholly awake (vLLM schedules nothing until it is)."""
+        return self.llm.wake_up(tags=tags)
 

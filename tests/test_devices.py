@@ -189,12 +189,13 @@ class SleepingEngine:
             self.cpu_copy, self.weights = (self.weights if level == 1 else None), None
             self.sleeping = {"weights", "kv_cache"}
 
-    def wake_up(self, tags=None) -> None:
+    def wake_up(self, tags=None) -> bool:
         tags = set(tags or self.sleeping)
         if self.sleeping and tags <= self.sleeping:
             if "weights" in tags:
                 self.weights = self.cpu_copy
             self.sleeping -= tags
+        return not self.sleeping
 
     def receive(self, version: int) -> None:
         assert "weights" not in self.sleeping, "a weight loaded into memory vLLM has unmapped"

@@ -17,7 +17,8 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = REPO / "tests" / "gpu" / "check_training.py"
 WORKERS = {"sft", "reward", "dpo", "policy", "critic"}
-CHECKS = {"offload_reload", "frozen_zero3", "cuda_ipc", "save_hf_peak", "logprobs_128k", "steps_vs_fp32", "mfu"}
+CHECKS = {"offload_reload", "frozen_zero3", "sleep_cycle", "tempered_logprobs", "cuda_ipc", "save_hf_peak",
+          "logprobs_128k", "steps_vs_fp32", "mfu"}
 
 
 @pytest.mark.e2e  # six processes with DeepSpeed, two at a time: 46 s on 2 shared cores
@@ -56,11 +57,14 @@ def test_cpu_mode_runs_every_worker_and_check(tmp_path):
     assert set(checks) == CHECKS
     assert {name: check["status"] for name, check in checks.items()} == {
         "offload_reload": "passed", "frozen_zero3": "passed", "save_hf_peak": "passed", "logprobs_128k": "passed",
-        "cuda_ipc": "skipped", "steps_vs_fp32": "skipped", "mfu": "skipped"}
+        "sleep_cycle": "passed", "tempered_logprobs": "passed", "cuda_ipc": "skipped", "steps_vs_fp32": "skipped",
+        "mfu": "skipped"}
+    # rl.vllm.sleep: each of the four generations saw the policy's current weights (level 2 discarded them)
+    assert checks["sleep_cycle"]["results"]["tiny"]["weights_current"] == [True] * 4
     for name, check in checks.items():
         assert check["what"] and (check["status"] != "skipped" or check["reason"]), name
     assert "GPU" in checks["cuda_ipc"]["reason"] and "--cpu" in checks["steps_vs_fp32"]["reason"]
-    for name in ("offload_reload", "frozen_zero3", "save_hf_peak", "logprobs_128k"):  # what only CUDA measures
+    for name in ("offload_reload", "frozen_zero3", "sleep_cycle", "save_hf_peak", "logprobs_128k"):  # only CUDA's
         assert all("CUDA" in reason for reason in checks[name]["not_measured"].values()), name
 
     # rl.vllm.sleep: the fp32 master weights and AdamW's states leave for host memory and come back before every

@@ -531,6 +531,109 @@ def ipc_check(worker, export_dir: str) -> dict:
     return result
 
 
+class StandInEngine:
+    """vLLM's side of rl.vllm.sleep, which the check has not: vLLM 0.32's sleep / wake_up tag semantics (read in
+    vllm/v1/engine/core.py, v1/executor/abstract.py, v1/worker/gpu_worker.py) over real device memory, the policy's
+    full weights and a KV cache of the same size. Level 2 frees both (the caching allocator's cache emptied, as
+    vLLM's CuMem pool unmaps them); waking a tag allocates it again, uninitialized; generating while a tag sleeps is
+    what hangs vLLM (its scheduler stays paused), here an error; a generation records whether its weights equal the
+    policy's. Its methods answer `.remote(...)` synchronously (the check has no Ray)."""
+
+    def __init__(self, shapes: dict, device):
+        import torch
+        self.shapes, self.device, self.sleeping, self.generated = shapes, device, set(), []
+        self.weights = {name: torch.empty(shape, dtype=dtype, device=device) for name, (shape, dtype) in shapes.items()}
+        self.kv_cache = [torch.empty_like(w) for w in self.weights.values()]
+        for method in ("sleep", "wake_up", "finish_weight_update", "generate"):
+            setattr(self, method, types.SimpleNamespace(remote=getattr(self, f"_{method}")))
+
+    def _sleep(self, level: int = 1) -> None:
+        import torch
+        assert level == 2, "the rl stage discards the weights it resends"
+        if "weights" not in self.sleeping:
+            self.weights, self.kv_cache, self.sleeping = None, None, {"weights", "kv_cache"}
+            torch.cuda.empty_cache() if torch.cuda.is_available() else None
+
+    def _wake_up(self, tags=None) -> bool:
+        import torch
+        tags = set(tags or self.sleeping)
+        if not self.sleeping or not tags <= self.sleeping:
+            raise RuntimeError(f"wake_up({sorted(tags)}) while {sorted(self.sleeping)} sleep: vLLM ignores it")
+        if "weights" in tags:
+            self.weights = {name: torch.empty(shape, dtype=dtype, device=self.device)
+                            for name, (shape, dtype) in self.shapes.items()}
+        if "kv_cache" in tags:
+            self.kv_cache = [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in self.shapes.values()]
+        self.sleeping -= tags
+        return not self.sleeping
+
+    def _finish_weight_update(self) -> None:
+        pass
+
+    def _generate(self, worker) -> None:
+        import torch
+        from runtime import weight_sync
+        if self.sleeping:
+            raise RuntimeError(f"generate while {sorted(self.sleeping)} sleep: vLLM's scheduler stays paused (a hang)")
+        self.generated.append(all(torch.equal(self.weights[name], tensor)
+                                  for name, tensor in weight_sync.hf_weights(worker.engine.module, True)))
+
+
+def sleep_check(worker, micro: list) -> dict:
+    """rl.vllm.sleep's whole cycle as the rl stage runs it (runtime.rl_actors.Roles: before_generate, after_generate,
+    sync_weights), on the trained ZeRO-3 policy and a StandInEngine: the held-out reward's generation, step 0's two
+    dynamic-sampling rounds, a training step, the sync, the held-out reward after it. Every generation must see the
+    policy's current weights bit for bit (level 2 discards them: before_generate resends them where no sync followed);
+    on a GPU, memory allocated while generating (the trainers' states offloaded, the engine awake) and after (the
+    engine asleep, the states back)."""
+    import torch
+    from runtime import rl_actors, weight_sync
+    gpu = torch.cuda.is_available()
+    shapes = {name: (tuple(t.shape), t.dtype) for name, t in weight_sync.hf_weights(worker.engine.module, True)}
+    engine = StandInEngine(shapes, "cuda" if gpu else "cpu")
+    for name, tensor in weight_sync.hf_weights(worker.engine.module, True):  # as it loads them at its start
+        engine.weights[name].copy_(tensor)
+
+    class Policy:  # the policy's ActorGroup, one rank, called in this process
+        def call(self, method, *args):
+            if method == "send_weights":  # what the engine's receive_* then does: copy each full tensor in
+                for name, tensor in weight_sync.hf_weights(worker.engine.module, True):
+                    engine.weights[name].copy_(tensor)
+                return [len(shapes)]
+            return [getattr(worker, method)(*args)]
+
+    roles = rl_actors.Roles.__new__(rl_actors.Roles)
+    roles.sleeps, roles.engines_asleep, roles.engines, roles.weight_mode = True, set(), [engine], "ipc"
+    roles.policy = Policy()
+    roles.trainers = {"policy": roles.policy}
+    allocated = lambda: torch.cuda.memory_allocated() if gpu else None
+    phases = []
+
+    def generation(what: str) -> None:
+        roles.before_generate()
+        during = allocated()
+        engine.generate.remote(worker)
+        roles.after_generate()
+        phases.append({"generation": what, "allocated_generating": during, "allocated_after": allocated()})
+
+    real_ray = rl_actors.ray
+    rl_actors.ray = types.SimpleNamespace(get=lambda replies: replies)
+    try:
+        generation("held-out reward before training")
+        generation("step 0")
+        generation("step 0, second dynamic-sampling round")
+        worker.train_step(micro)
+        roles.sync_weights()
+        generation("held-out reward after training")
+    finally:
+        rl_actors.ray = real_ray
+    result = {"generations": phases, "weights_current": engine.generated, "asleep_at_end": sorted(engine.sleeping)}
+    result["ok"] = engine.generated == [True] * 4 and engine.sleeping == {"weights", "kv_cache"}
+    if not gpu:
+        result["not_measured"] = {"memory": NOT_ON_CPU}
+    return result
+
+
 def offload_check(ws: WorkerSpec, cfg, spec: dict, step_batches: list) -> dict:
     """rl.vllm.sleep around generation: two fresh ZeRO-3 policies on the same batches, the second offloaded
     (DeepSpeedWorker.offload_states) and reloaded before every step, as the rl stage does. Per step: what offloading
@@ -661,6 +764,7 @@ def run_worker(spec: dict) -> dict:
         out["ipc"] = guarded(lambda: ipc_check(worker, spec["export_dir"])) if on_gpu else \
             {"skipped": "CUDA IPC (torch.multiprocessing.reductions.reduce_tensor of a CUDA tensor) needs a GPU"}
         out["offload"] = guarded(lambda: offload_check(ws, cfg, spec, step_batches))
+        out["sleep"] = guarded(lambda: sleep_check(worker, step_batches[0]))
     out["ray_used"] = list(ray_placeholder.USED)
     return out
 
@@ -732,6 +836,8 @@ def run_logprobs(spec: dict) -> dict:
     # below 1, where every entry of 1[v = y] - softmax(z)_v lies).
     result["tolerance"] = {"logprobs": 1e-4, "grad": 2 ** -8}
     result["ok"] = all(result["max_abs_diff"][k] <= result["tolerance"][k] for k in result["tolerance"])
+    values.clear()
+    result["tempered"] = tempered_check(full[:4, :-1], labels[:4])
     if "peak_above_logits" in result["chunked"]["forward"]:
         within = {mode: result["chunked"][mode]["peak_above_logits"] <= bounds[mode] for mode in bounds}
         result["within_bounds"] = within
@@ -739,6 +845,27 @@ def run_logprobs(spec: dict) -> dict:
     else:
         result["not_measured"] = {"memory": NOT_ON_CPU + " (tests/test_gpu_readiness.py measures the CPU's peak "
                                   "resident memory of the same calls)"}
+    return result
+
+
+def tempered_check(logits, labels, temperature: float = 0.7) -> dict:
+    """RL's log-probs at the sampling temperature as the trainer takes them (token_logprobs divides each float32 chunk
+    of the bf16 logits), forward and backward, against float64 log_softmax(logits / temperature) and its gradient."""
+    import torch
+    from runtime.logprobs import token_logprobs
+    leaf = logits.detach().clone().requires_grad_()
+    token_logprobs(leaf * 1, labels, temperature).sum().backward()  # (* 1: a non-leaf, as a model's output)
+    exact_leaf = logits.detach().double().requires_grad_()
+    exact = torch.log_softmax(exact_leaf / temperature, dim=-1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+    exact.sum().backward()
+    with torch.no_grad():
+        logp = token_logprobs(logits, labels, temperature)
+    # the gradient (1[v = y] - softmax)_v / temperature lies in (-1 / 0.7, 1 / 0.7), stored in bf16: spacing 2^-7
+    result = {"temperature": temperature, "rows": logits.shape[0],
+              "max_abs_diff": {"logprobs": float((logp.double() - exact).abs().max()),
+                               "grad": float((leaf.grad.double() - exact_leaf.grad).abs().max())},
+              "tolerance": {"logprobs": 1e-4, "grad": 2 ** -7}}
+    result["ok"] = all(result["max_abs_diff"][k] <= result["tolerance"][k] for k in result["tolerance"])
     return result
 
 
@@ -873,6 +1000,12 @@ def build_checks(report: dict, runs: dict, logprobs: dict, cpu_mode: bool) -> di
                                      "DeepSpeedWorker.offload_states / reload_states on the ZeRO-3 policy"),
         "frozen_zero3": part_check(per_size(lambda run: frozen_result(run.get("frozen"))),
                                    "FrozenScorer (zero_stage 3, frozen_ranks 1) forwards hand cached memory back"),
+        "sleep_cycle": part_check(per_size(lambda run: run.get("sleep")),
+                                  "rl.vllm.sleep's cycle (Roles.before_generate / after_generate / sync_weights) on "
+                                  "the ZeRO-3 policy with a stand-in for vLLM's sleep level 2 over real GPU memory"),
+        "tempered_logprobs": part_check({"logprobs": logprobs.get("tempered") if "error" not in logprobs else None},
+                                        "response log-probs at temperature 0.7 (logits divided in place under "
+                                        "autograd) against float64 log_softmax(logits / 0.7), values and gradients"),
         "cuda_ipc": part_check(per_size(lambda run: run.get("ipc")),
                                "weight_sync.send_weights 'ipc' to a second process on the GPU (receive_ipc)"),
         "save_hf_peak": part_check(per_size(lambda run: save_hf_result(run.get("gather"))),
