@@ -81,6 +81,10 @@ class Job:
     def __init__(self, root: Path, nodes: int = 1, ranks: int = 0, job_id: str | None = None,
                  free_when_checked: int | None = None):
         self.job_id = job_id or f"sec{uuid.uuid4().hex[:8]}"
+        while job_id is None and nodes > 1 and not ports_free(base_port(self.job_id, 0)):
+            # (a multi-node job keeps the block its id derives, as a Slurm job's tasks must agree on it: one whose
+            # port is held at the moment, e.g. an outgoing connection's, failed its head once in a full make test)
+            self.job_id = f"sec{uuid.uuid4().hex[:8]}"
         self.folder = root / self.job_id
         self.folder.mkdir()
         self.log = self.folder / "job.log"
