@@ -456,7 +456,8 @@ def _rl_host(rl: dict, m: ModelSize, rm: ModelSize, g: int, critic: bool, reward
         train["offloaded optimizer states"] = offloaded_optimizer_gb(m, rl, W) * trainer_ranks
     host = {"load": load, "experience and training": train}
     if rl["vllm"]["sleep"]:
-        # vLLM sleeps at level 2 (its weights discarded, resent by the sync: nothing of it in CPU memory); while it
+        # vLLM sleeps at level 2 (its weights discarded, resent by the sync; only its small CUDA-graph and runtime
+        # pools wait in CPU memory, within HOST_PER_PROCESS_GB); while it
         # generates, the trainers' gradients, fp32 master weights and optimizer states wait there
         # (runtime/deepspeed_strategy.offload_states)
         offloaded = 14 * trained_params(m, rl) / W * trainer_ranks / GB  # gradients 2 B, master and Adam 12 B

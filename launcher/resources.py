@@ -156,7 +156,7 @@ def stage_resources(stage: str, launcher: dict, profile: dict | None = None) -> 
 
 def gpus_needed(stage: str, block: dict) -> dict[str, int]:
     """The GPUs each role of a stage's job takes on a GPU cluster (one per DeepSpeed rank, frozen-model rank and
-    engine GPU, one for evaluation's scorer)."""
+    engine GPU; evaluation's scorer one at least, after the engines: it takes every GPU of its node)."""
     vllm = block.get("vllm") or {}
     engines = vllm.get("num_engines", 1) * vllm.get("tensor_parallel_size", 1)
     if stage == "rl":
@@ -208,11 +208,13 @@ def check_fits(stage: str, params: dict, resources: dict, sources: dict) -> None
     if not roles:
         return
     shared = stage == "rl" and block.get("colocate")
-    needed = max(roles.values()) if shared else sum(roles.values())
+    # evaluation's scorer starts once its engines are gone, on their GPUs (stages/evaluate.py)
+    how = "colocated: the largest role" if shared else "in turn: the largest role" if stage == "evaluate" else "summed"
+    needed = sum(roles.values()) if how == "summed" else max(roles.values())
     if needed > resources["nodes"] * gpus:
         parts = ", ".join(f"{role} {count}" for role, count in roles.items())
         raise LaunchConfigError(
-            f"stage {stage} needs {needed} GPUs ({parts}; {'colocated: the largest role' if shared else 'summed'}), "
+            f"stage {stage} needs {needed} GPUs ({parts}; {how}), "
             f"but its job has {where} {gpus} GPUs ({sources['gpus_per_node']}) = {resources['nodes'] * gpus}; "
             f"raise those or lower the stage's num_workers / frozen_ranks / vllm.num_engines")
     tp, engines = vllm.get("tensor_parallel_size", 1), vllm.get("num_engines", 1)

@@ -172,10 +172,18 @@ def test_one_more_vllm_engine_is_refused(path):
                          "launcher.stages.rl.nodes"):
             assert fragment in message, (fragment, message)
     ev = config["evaluate"]["vllm"]
-    bigger = load_example(path, {"evaluate": {"vllm": {"num_engines": ev["num_engines"] + 1}}})
     resources, sources = stage_resources("evaluate", launcher, {})
-    with pytest.raises(LaunchConfigError, match=r"stage evaluate needs \d+ GPUs \(vLLM \d+, scorer 1; summed\)"):
-        check_fits("evaluate", {"evaluate": bigger["evaluate"], "model": "sft", "seed": 0}, resources, sources)
+    # The scorer runs after the engines, on their GPUs: engines on every GPU of the job fit, one more GPU does not.
+    every_gpu = resources["nodes"] * resources["gpus_per_node"] // ev["tensor_parallel_size"]
+    for engines, fits in ((every_gpu, True), (every_gpu + 1, False)):
+        changed = load_example(path, {"evaluate": {"vllm": {"num_engines": engines}}})
+        fit = lambda: check_fits("evaluate", {"evaluate": changed["evaluate"], "model": "sft", "seed": 0}, resources,
+                                 sources)
+        if fits:
+            fit()
+            continue
+        with pytest.raises(LaunchConfigError, match=r"stage evaluate needs \d+ GPUs \(vLLM \d+, scorer 1; in turn"):
+            fit()
 
 
 def test_an_example_with_a_bad_key_is_refused(tmp_path):
