@@ -402,7 +402,8 @@ def _rl_estimate(rl: dict, data: dict, sizes: dict, g: int, gpu_gb: float) -> Es
             # under vllm.sleep it wakes vLLM's weights (not its KV cache) while the trainers hold their states
             "every role's GPU: weight sync": held | ({"vLLM weights": engine["vLLM weights"]} if sleep else engine)
                                              # and its copy offered over CUDA IPC (weight_sync.send_weights)
-                                             | {"gathered module and its IPC copy (bf16)": 2 * 2 * m.vocab * m.hidden / GB},
+                                             | {"gathered module and its IPC copy (bf16)":
+                                                2 * 2 * m.vocab * m.hidden / GB},
         }
     else:  # every role on GPUs of its own
         engine = vllm_items(m, vllm, vllm_share(vllm, shares_gpu=False) * gpu_gb, max_model_len, "rl.vllm", notes)
@@ -457,9 +458,8 @@ def _rl_host(rl: dict, m: ModelSize, rm: ModelSize, g: int, critic: bool, reward
     host = {"load": load, "experience and training": train}
     if rl["vllm"]["sleep"]:
         # vLLM sleeps at level 2 (its weights discarded, resent by the sync; only its small CUDA-graph and runtime
-        # pools wait in CPU memory, within HOST_PER_PROCESS_GB); while it
-        # generates, the trainers' gradients, fp32 master weights and optimizer states wait there
-        # (runtime/deepspeed_strategy.offload_states)
+        # pools wait in CPU memory, within HOST_PER_PROCESS_GB); while it generates, the trainers' gradients, fp32
+        # master weights and optimizer states wait there (runtime/deepspeed_strategy.offload_states)
         offloaded = 14 * trained_params(m, rl) / W * trainer_ranks / GB  # gradients 2 B, master and Adam 12 B
         host["generation"] = on_node | {"offloaded training states": offloaded}
     host["save"] = train | {"rank 0's copy of the policy (bf16)": 2 * m.params / GB}

@@ -31,7 +31,7 @@ def engine_options(model_dir: str, seed: int, max_model_len: int, vllm: dict, on
     """vLLM's LLM(...) arguments for one engine. On CPU the settings the CPU build needs, whatever `vllm` says; on
     GPUs the schema's rl.vllm / evaluate.vllm (`shares_gpu`: trainers use the same GPUs)."""
     # processed_logprobs: the log-probs of the distribution the tokens are drawn from (after temperature), which the
-    # trainer's tempered log-probs (logprobs.response_logits) must equal; vLLM's default is the raw model's.
+    # trainer's tempered log-probs (logprobs.token_logprobs) must equal; vLLM's default is the raw model's.
     options = dict(tokenizer=model_dir, seed=seed, max_model_len=max_model_len,
                    trust_remote_code=trusts_remote_code(model_dir), worker_extension_cls=weight_sync.WORKER_EXTENSION,
                    logprobs_mode="processed_logprobs")
@@ -151,9 +151,9 @@ class VLLMEngine:
     def generate(self, prompt_token_ids: list[list[int]], n: int, temperature: float, top_p: float,
                  max_new_tokens: int, seed: int, ignore_eos: bool = False) -> list[list[dict]]:
         """Samples per prompt: [[{"token_ids", "text", "logprobs", "truncated"} x n] x prompts], logprobs being
-        vLLM's log-probability of each sampled token under the distribution it was drawn from (tempered), truncated whether max_new_tokens cut the response before its
-        end of turn; request i is seeded with seed + i, so results do not depend on batching. `ignore_eos`: every
-        response runs to max_new_tokens (benchmarks)."""
+        vLLM's log-probability of each sampled token under the distribution it was drawn from (tempered), truncated
+        whether max_new_tokens cut the response before its end of turn; request i is seeded with seed + i, so results
+        do not depend on batching. `ignore_eos`: every response runs to max_new_tokens (benchmarks)."""
         from vllm import SamplingParams, TokensPrompt
         params = [SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_new_tokens, seed=seed + i,
                                  logprobs=0, ignore_eos=ignore_eos,

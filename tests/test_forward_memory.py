@@ -35,7 +35,8 @@ def test_micro_batched_forwards_equal_one_forward(size):
 def test_entropy_builds_a_graph_only_when_trained_on(monkeypatch, entropy_coef, with_graph):
     seen = []
     real = rl_actors.entropy_from_logits
-    monkeypatch.setattr(rl_actors, "entropy_from_logits", lambda logits, *args: seen.append(real(logits, *args)) or seen[-1])
+    monkeypatch.setattr(rl_actors, "entropy_from_logits",
+                        lambda logits, *args: seen.append(real(logits, *args)) or seen[-1])
     policy = PolicyWorker()
     policy.engine, policy.pad_id = LlamaForCausalLM(CONFIG), 0
     policy.cfg = stage_config(rl, {"rl": {"entropy_coef": entropy_coef}})

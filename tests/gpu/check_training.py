@@ -540,30 +540,33 @@ class StandInEngine:
     policy's. Its methods answer `.remote(...)` synchronously (the check has no Ray)."""
 
     def __init__(self, shapes: dict, device):
-        import torch
         self.shapes, self.device, self.sleeping, self.generated = shapes, device, set(), []
-        self.weights = {name: torch.empty(shape, dtype=dtype, device=device) for name, (shape, dtype) in shapes.items()}
-        self.kv_cache = [torch.empty_like(w) for w in self.weights.values()]
+        self.weights, self.kv_cache = self._allocate(), self._allocate()
         for method in ("sleep", "wake_up", "finish_weight_update", "generate"):
             setattr(self, method, types.SimpleNamespace(remote=getattr(self, f"_{method}")))
+
+    def _allocate(self) -> dict:
+        """Uninitialized memory of the policy's weights' shapes (the KV cache takes as much)."""
+        import torch
+        return {name: torch.empty(shape, dtype=dtype, device=self.device)
+                for name, (shape, dtype) in self.shapes.items()}
 
     def _sleep(self, level: int = 1) -> None:
         import torch
         assert level == 2, "the rl stage discards the weights it resends"
         if "weights" not in self.sleeping:
             self.weights, self.kv_cache, self.sleeping = None, None, {"weights", "kv_cache"}
-            torch.cuda.empty_cache() if torch.cuda.is_available() else None
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
 
     def _wake_up(self, tags=None) -> bool:
-        import torch
         tags = set(tags or self.sleeping)
         if not self.sleeping or not tags <= self.sleeping:
             raise RuntimeError(f"wake_up({sorted(tags)}) while {sorted(self.sleeping)} sleep: vLLM ignores it")
         if "weights" in tags:
-            self.weights = {name: torch.empty(shape, dtype=dtype, device=self.device)
-                            for name, (shape, dtype) in self.shapes.items()}
+            self.weights = self._allocate()
         if "kv_cache" in tags:
-            self.kv_cache = [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in self.shapes.values()]
+            self.kv_cache = self._allocate()
         self.sleeping -= tags
         return not self.sleeping
 
@@ -591,14 +594,16 @@ def sleep_check(worker, micro: list) -> dict:
     gpu = torch.cuda.is_available()
     shapes = {name: (tuple(t.shape), t.dtype) for name, t in weight_sync.hf_weights(worker.engine.module, True)}
     engine = StandInEngine(shapes, "cuda" if gpu else "cpu")
-    for name, tensor in weight_sync.hf_weights(worker.engine.module, True):  # as it loads them at its start
-        engine.weights[name].copy_(tensor)
+
+    def load_weights() -> None:  # what the engine's receive_* does: copy each full tensor in
+        for name, tensor in weight_sync.hf_weights(worker.engine.module, True):
+            engine.weights[name].copy_(tensor)
+    load_weights()  # (as an engine loads the model at its start)
 
     class Policy:  # the policy's ActorGroup, one rank, called in this process
         def call(self, method, *args):
-            if method == "send_weights":  # what the engine's receive_* then does: copy each full tensor in
-                for name, tensor in weight_sync.hf_weights(worker.engine.module, True):
-                    engine.weights[name].copy_(tensor)
+            if method == "send_weights":
+                load_weights()
                 return [len(shapes)]
             return [getattr(worker, method)(*args)]
 
