@@ -17,6 +17,7 @@ include: "workflow/rules/reward_model.smk"
 include: "workflow/rules/dpo.smk"
 include: "workflow/rules/rl.smk"
 include: "workflow/rules/evaluate.smk"
+include: "workflow/rules/benchmark.smk"
 include: "workflow/rules/report.smk"
 
 

@@ -7,6 +7,7 @@ import copy
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -75,7 +76,9 @@ def _types(schema: dict) -> list:
 
 def _subschema(schema: dict, path) -> dict:
     for part in path:
-        schema = schema.get("properties", {}).get(part, schema.get("items", {})) if isinstance(part, str) else schema.get("items", {})
+        named = schema.get("additionalProperties") if isinstance(schema.get("additionalProperties"), dict) else None
+        schema = schema.get("properties", {}).get(part, named or schema.get("items", {})) if isinstance(part, str) \
+            else schema.get("items", {})
     return schema
 
 
@@ -117,6 +120,7 @@ def validate_config(raw: dict | None, source: str = "config") -> dict:
         if where[key] is not None:  # (Snakemake and the shell take a path as written: `~` would be a folder)
             where[key] = os.path.expanduser(where[key])
     resolve_evaluation(config)
+    resolve_benchmarks(config)
     check_consistency(config, source)
     return config
 
@@ -152,6 +156,77 @@ def resolve_evaluation(config: dict) -> None:
         evaluate["rewards"] = list(dict.fromkeys(rewards))
     if evaluate["models"] is None:
         evaluate["models"] = dag_models(config)
+
+
+def resolve_benchmarks(config: dict) -> None:
+    """Each benchmark filled with the schema's defaults (named entries: _fill_defaults fills only `properties`); its
+    pass_k null: [n_samples] when it samples more than once; its system_prompt null: data's."""
+    entry = load_schema()["properties"]["benchmarks"]["additionalProperties"]
+    for bench in config["benchmarks"].values():
+        _fill_defaults(entry, bench)
+        if bench["pass_k"] is None:
+            bench["pass_k"] = [bench["n_samples"]] if bench["n_samples"] > 1 else []
+        if bench["system_prompt"] is None:
+            bench["system_prompt"] = config["data"]["system_prompt"]
+
+
+# A benchmark's scorers besides a Python file (runtime/answer_scoring.py; choice: stages/benchmark.py).
+SCORERS = ("math", "exact", "regex", "choice")
+
+
+def check_benchmarks(config: dict, source: str) -> None:
+    """Each benchmark's dataset, scorer and sampling, before anything is queued."""
+    for name, bench in config["benchmarks"].items():
+        where = f"{source}: benchmarks.{name}"
+        if bench["lm_eval"]:
+            task, include = bench["lm_eval"]["task"], bench["lm_eval"]["include_path"]
+            if bench["path"]:
+                raise ConfigError(f"{where}: path and lm_eval both given; an lm-eval task names its own dataset (in "
+                                  "its YAML): remove one")
+            if task.endswith((".yaml", ".yml")) and not repo_path(task).is_file():
+                raise ConfigError(f"{where}.lm_eval.task = {task!r}: no such task YAML file")
+            if include and not repo_path(include).is_dir():
+                raise ConfigError(f"{where}.lm_eval.include_path = {include!r}: no such directory")
+            if not task.endswith((".yaml", ".yml")) and not include:
+                raise ConfigError(f"{where}.lm_eval.task = {task!r} is a task name: give include_path, the directory "
+                                  "of its YAML (tasks are read offline), or the YAML file itself")
+        elif bench["path"] is None:
+            raise ConfigError(f"{where}.path is not set: give the benchmark's problems (a file, directory, hub id or "
+                              "builtin:arithmetic) or an lm_eval task")
+        elif is_builtin(bench["path"]) and bench["path"] != "builtin:arithmetic":
+            raise ConfigError(f"{where}.path = {bench['path']!r}: the built-in benchmark is builtin:arithmetic")
+        elif not is_builtin(bench["path"]) and not is_hub(bench["path"]) and not repo_path(bench["path"]).exists():
+            raise ConfigError(f"{where}.path = {bench['path']!r}: no such file or directory (relative paths are taken "
+                              "from the repository root)")
+        scorer, pattern = bench["scorer"], bench["answer_pattern"]
+        if not bench["lm_eval"]:
+            if scorer not in SCORERS and not scorer.endswith(".py"):
+                raise ConfigError(f"{where}.scorer = {scorer!r} is not valid; choose one of {list(SCORERS)} or a "
+                                  "Python file defining reward_fn(prompts, completions, labels)")
+            if scorer.endswith(".py"):
+                check_reward_file(scorer, f"{where}.scorer")
+            if scorer == "regex" and not pattern:
+                raise ConfigError(f"{where}: scorer regex needs answer_pattern (a regular expression finding the "
+                                  "answer)")
+            if scorer == "choice" and (not bench["choices_key"] or bench["n_samples"] != 1):
+                raise ConfigError(f"{where}: scorer choice ranks each row's options (choices_key, got "
+                                  f"{bench['choices_key']!r}) by their log-likelihood, once: n_samples must be 1 "
+                                  f"(got {bench['n_samples']})")
+        if pattern:
+            try:
+                re.compile(pattern)
+            except re.error as err:
+                raise ConfigError(f"{where}.answer_pattern = {pattern!r} is not a regular expression: {err}") from None
+        if bench["temperature"] == 0 and bench["n_samples"] > 1:
+            raise ConfigError(f"{where}: temperature 0 is greedy decoding, the same reply each time; n_samples = "
+                              f"{bench['n_samples']} needs a temperature above 0 (or n_samples: 1)")
+        if too_many := [k for k in bench["pass_k"] if k > bench["n_samples"]]:
+            raise ConfigError(f"{where}.pass_k = {bench['pass_k']}: pass@k needs k <= n_samples = "
+                              f"{bench['n_samples']} ({too_many} is not)")
+    baseline = config["evaluate"]["baseline"]
+    if baseline is not None and baseline not in config["evaluate"]["models"]:
+        raise ConfigError(f"{source}: evaluate.baseline = {baseline!r} is not a row of the results; valid: "
+                          f"{config['evaluate']['models']} (evaluate.models)")
 
 
 def check_dag_data(config: dict, source: str) -> None:
@@ -240,6 +315,7 @@ def check_consistency(config: dict, source: str) -> None:
             raise ConfigError(f"{source}: evaluate.models.{i} = {model!r} is not a model this experiment's DAG makes; "
                               f"valid: {models} (sft needs data.sft.path or sft.from, dpo the `dpo` block, an rl "
                               "variant its entry in rl.variants)")
+    check_benchmarks(config, source)
     tiny = config["model"]["tiny"]
     if tiny["hidden_size"] % tiny["num_heads"] or tiny["hidden_size"] // tiny["num_heads"] < 32:
         raise ConfigError(f"{source}: model.tiny.hidden_size / model.tiny.num_heads must be a whole number >= 32, "
@@ -338,6 +414,10 @@ def check_lengths(config: dict, source: str, positions: int | None) -> None:
         if prompt + tokens + LENGTH_MARGIN > positions:
             raise ConfigError(f"{source}: data.max_prompt_tokens + {key} = {prompt} + {tokens} tokens (+ {LENGTH_MARGIN} "
                               f"spare) do not fit model.path's {positions} positions (its config.json); lower them")
+    for name, bench in config["benchmarks"].items():  # (its stage checks each prompt with them: stages/benchmark.py)
+        if bench["max_new_tokens"] + LENGTH_MARGIN > positions:
+            raise ConfigError(f"{source}: benchmarks.{name}.max_new_tokens = {bench['max_new_tokens']} (+ {LENGTH_MARGIN} "
+                              f"spare) leave no room for a prompt in model.path's {positions} positions; lower it")
 
 
 def check_lora_targets(targets, architecture: str | None, where: str) -> None:
@@ -487,7 +567,20 @@ def stage_jobs(config: dict):
         for s in (seeds if model in seeded else [seed]):
             yield "evaluate", f"evaluate/{model}/seed{s}", {"evaluate": evaluate_params(config), "model": model,
                                                               "seed": s}
+    for name in config["benchmarks"]:
+        for model in config["evaluate"]["models"]:
+            for s in (seeds if model in seeded else [seed]):
+                yield "benchmark", f"benchmark/{name}/{model}/seed{s}", benchmark_params(config, name, model, s)
     yield "report", "report", report_params(config)
+
+
+def benchmark_params(config: dict, name: str, model: str, seed: int) -> dict:
+    """What one benchmark job reads (its cache key): the benchmark's own settings, how prompts are formatted, the
+    engines, the model and the seed; nothing of another benchmark, so adding one reruns no other's jobs."""
+    data = config["data"]
+    return {"benchmark": config["benchmarks"][name], "name": name, "model": model, "seed": seed,
+            "vllm": config["evaluate"]["vllm"],
+            "chat": {"apply_chat_template": data["apply_chat_template"], "input_template": data["input_template"]}}
 
 
 def evaluate_params(config: dict) -> dict:
@@ -500,7 +593,7 @@ def report_params(config: dict) -> dict:
     """What the report shows and describes: evaluate, model, data, the stages the DAG holds and each rl variant's
     merged settings."""
     stages = dag_stages(config)
-    return {k: config[k] for k in ("evaluate", "model", "data")} | {
+    return {k: config[k] for k in ("evaluate", "model", "data", "benchmarks")} | {
         "stages": {k: stages[k] for k in ("sft", "reward_model", "dpo")},
         "given": {stage: config[stage]["from"] for stage in ("sft", "reward_model")},
         "variants": {name: rl_variant(config, name) for name in config["rl"]["variants"]}}

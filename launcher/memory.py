@@ -264,6 +264,8 @@ def estimate(stage: str, params: dict, config: dict, sizes: dict, resources: dic
         return _trainer_estimate(stage, params[stage], config, sizes, g)
     if stage == "rl":
         return _rl_estimate(params["rl"], config["data"], sizes, g, gpu_gb)
+    if stage == "benchmark":
+        return _benchmark_estimate(params, config, sizes, g, gpu_gb)
     assert stage == "evaluate", stage
     return _evaluate_estimate(params, config, sizes, g, gpu_gb)
 
@@ -509,7 +511,7 @@ def gpu_jobs(config: dict, profile_for=None) -> list:
     jobs = []
     for stage, run_name, params in stage_jobs(config):
         resources, sources = stage_resources(stage, config["launcher"], profile_for(stage) if profile_for else None)
-        if resources["gpus_per_node"] > 0 and stage in (*TRAINERS, "rl", "evaluate"):
+        if resources["gpus_per_node"] > 0 and stage in (*TRAINERS, "rl", "evaluate", "benchmark"):
             jobs.append((stage, run_name, params, resources, sources))
     return jobs
 
@@ -532,6 +534,30 @@ def memory_plan(config: dict, profile_for=None, sizes: dict | None = None) -> li
     return plan
 
 
+def _benchmark_estimate(params: dict, config: dict, sizes: dict, g: int, gpu_gb: float) -> Estimate:
+    """stages/benchmark.py: the engines of evaluate.vllm sample the replies, then (choice, lm-eval's log-likelihoods)
+    the evaluated model alone scores options, spread over the node's GPUs like evaluation's scorer. A prompt is taken
+    as data.max_prompt_tokens per question, its few-shot examples' included (the stage refuses, before generating, a
+    prompt that does not fit the model's positions)."""
+    bench, vllm = params["benchmark"], params["vllm"]
+    evaluated = sizes["base"] if params["model"] == "base" else sizes["policy"]
+    prompt = config["data"]["max_prompt_tokens"] * (bench["few_shot"] + 1)
+    notes = []
+    engine = vllm_items(evaluated, vllm, vllm_share(vllm, shares_gpu=False) * gpu_gb,
+                        prompt + bench["max_new_tokens"] + 8, "evaluate.vllm", notes)
+    gpu = {"vLLM engine GPU: generation": engine}
+    if bench["scorer"] == "choice" or bench["lm_eval"]:
+        seq = prompt + bench["max_new_tokens"]
+        gpu["scorer GPU: log-likelihoods"] = {"evaluated model (bf16, spread)": spread_gb(evaluated, g),
+                                              "CUDA context": CUDA_CONTEXT_GB,
+                                              "forward pass": forward_gb(evaluated, SCORE_BATCH, seq),
+                                              "logits": logits_gb(evaluated, SCORE_BATCH, seq, LOGITS_FORWARD)}
+    host = {"generation": {"processes": HOST_PER_PROCESS_GB * min(vllm["num_engines"] * vllm["tensor_parallel_size"],
+                                                                     g)},
+            "scoring": {"processes": HOST_PER_PROCESS_GB, "scorer loading a model (bf16)": 2 * evaluated.params / GB}}
+    return Estimate(gpu, host, notes)
+
+
 def breakdown(items: dict) -> str:
     """'a 1.0 + b 2.0 = 3.0 GB' (items under 0.05 GB left out)."""
     return " + ".join(f"{name} {gb:.1f}" for name, gb in items.items() if gb >= 0.05) + \
@@ -542,10 +568,11 @@ def remedies(job: JobPlan, params: dict) -> list[str]:
     """What would lower the peak of the job's fullest GPU: the keys that shrink each of its items (as far as they
     are not at their most frugal already), the largest item's first, then more GPUs."""
     stage = job.stage
-    block = params[stage]
+    block = params[stage] if stage != "benchmark" else params["benchmark"] | {"vllm": params["vllm"]}
     key = (lambda k: f"rl.variants.{params['variant']}.{k} (or rl.{k})") if stage == "rl" else \
         (lambda k: f"{stage}.{k}")
     lengths = {"rl": f"{key('max_new_tokens')}, data.max_prompt_tokens", "evaluate": "evaluate.max_new_tokens, "
+               "data.max_prompt_tokens", "benchmark": f"benchmarks.{params.get('name')}.max_new_tokens and few_shot, "
                "data.max_prompt_tokens"}.get(stage, "data.max_prompt_tokens, data.max_response_tokens")
     training = job.gpu_phase.endswith(("train", "training"))
     suggestions: dict[str, float] = {}  # what to change -> GB of the items it shrinks
@@ -562,9 +589,9 @@ def remedies(job: JobPlan, params: dict) -> list[str]:
         elif item in ("activations", "logits", "forward pass"):
             if item == "activations" and not block.get("gradient_checkpointing", True):
                 add(f"{key('gradient_checkpointing')}: true", gb)
-            if training or (stage != "evaluate" and item == "activations"):
+            if training or (stage not in ("evaluate", "benchmark") and item == "activations"):
                 add(f"a smaller {key('micro_batch_size')}", gb)
-            elif stage != "evaluate":
+            elif stage not in ("evaluate", "benchmark"):
                 add(f"a smaller {key('forward_micro_batch_size')}", gb)
             add(f"shorter sequences ({lengths})", gb)
         elif stage == "rl" and item.startswith(("reference", "reward model")) and "sharded" not in item:
@@ -575,11 +602,11 @@ def remedies(job: JobPlan, params: dict) -> list[str]:
                 f"a larger {vllm}.tensor_parallel_size", gb)
             if stage == "rl" and block["colocate"] and not block["vllm"]["sleep"] and block["zero_stage"] == 3:
                 add(f"{key('vllm.sleep')}: true (vLLM and DeepSpeed take turns on the GPUs)", gb)
-        elif stage == "evaluate" and item.endswith("spread)"):  # the scorer's models, spread over the node's GPUs
-            add("more GPUs per node for evaluate (launcher.stages.evaluate.gpus_per_node: the scorer spreads each "
-                "model over them all) or GPUs with more memory (launcher.stages.evaluate.gpu_memory_gb)", gb)
+        elif stage in ("evaluate", "benchmark") and item.endswith("spread)"):  # the scorer's models, spread over the node's GPUs
+            add(f"more GPUs per node for {stage} (launcher.stages.{stage}.gpus_per_node: the scorer spreads each "
+                f"model over them all) or GPUs with more memory (launcher.stages.{stage}.gpu_memory_gb)", gb)
     ordered = sorted(suggestions, key=suggestions.get, reverse=True)
-    if stage != "evaluate":
+    if stage not in ("evaluate", "benchmark"):
         ordered.append(f"more GPUs (launcher.stages.{stage}.nodes / gpus_per_node, with num_workers"
                        + (" and frozen_ranks" if stage == "rl" else "") + " to match)")
     return ordered

@@ -166,7 +166,7 @@ def gpus_needed(stage: str, block: dict) -> dict[str, int]:
         if block.get("reward", "model") == "model":
             roles["reward model"] = block.get("frozen_ranks", 1)
         return roles
-    if stage == "evaluate":
+    if stage in ("evaluate", "benchmark"):
         return {"vLLM": engines, "scorer": 1}
     return {"trainer": block["num_workers"]} if "num_workers" in block else {}
 
@@ -178,6 +178,8 @@ def check_fits(stage: str, params: dict, resources: dict, sources: dict) -> None
     tensor-parallel engine's GPUs lie on one node; colocated on GPUs, the policy ranks are the engine GPUs (the weight
     sync over CUDA IPC needs a policy rank on each)."""
     block = params.get(stage) if isinstance(params.get(stage), dict) else {}
+    if stage == "benchmark":  # its engines are evaluate.vllm's
+        block = {"vllm": params["vllm"]}
     workers = block.get("num_workers")
     capacity = resources["nodes"] * resources["cpus_per_node"]
     gpus = resources["gpus_per_node"]
@@ -209,7 +211,8 @@ def check_fits(stage: str, params: dict, resources: dict, sources: dict) -> None
         return
     shared = stage == "rl" and block.get("colocate")
     # evaluation's scorer starts once its engines are gone, on their GPUs (stages/evaluate.py)
-    how = "colocated: the largest role" if shared else "in turn: the largest role" if stage == "evaluate" else "summed"
+    how = "colocated: the largest role" if shared else "in turn: the largest role" if stage in ("evaluate", "benchmark") \
+        else "summed"
     needed = sum(roles.values()) if how == "summed" else max(roles.values())
     if needed > resources["nodes"] * gpus:
         parts = ", ".join(f"{role} {count}" for role, count in roles.items())

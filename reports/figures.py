@@ -81,3 +81,27 @@ def training_curves(runs: list[dict], paths: list[Path], metadata: str) -> None:
         ax.legend(fontsize=7)
     fig.tight_layout()
     _save(fig, paths, metadata)
+
+
+def validation_curves(runs: list[dict], paths: list[Path], metadata: str) -> None:
+    """RL runs: held-out validation reward (history `eval_reward`) against step, one line per method (mean over
+    seeds) with a ±std band, and a star at each run's best step where it logged `best_step`."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(5.5, 3.6), dpi=120)
+    starred = False
+    for method, group in by_method(runs).items():
+        steps = sorted(set.intersection(*(set(dict(r["history"]["eval_reward"])) for r in group)))
+        values = [[dict(r["history"]["eval_reward"])[s] for r in group] for s in steps]
+        mean = [statistics.fmean(v) for v in values]
+        line, = ax.plot(steps, mean, marker=".", label=f"{method} (n={len(group)})")
+        if len(group) > 1:
+            std = [statistics.stdev(v) for v in values]
+            ax.fill_between(steps, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)],
+                            color=line.get_color(), alpha=0.2, linewidth=0)
+        for run in group:
+            if "best_step" in run["metrics"]:  # its own best, which the seeds' mean need not pass through
+                ax.scatter(run["metrics"]["best_step"], run["metrics"]["best_eval_reward"], marker="*", s=90,
+                           color=line.get_color(), edgecolors="black", linewidths=0.5, zorder=3,
+                           label=None if starred else "best step of a run")
+                starred = True
+    _finish(fig, ax, "RL step", "held-out validation reward", "Validation reward during RL", paths, metadata)

@@ -85,12 +85,14 @@ def movie_review_rows(source: str, role: str, count: int, seed: int, options: di
 
 def arithmetic_rows(role: str, count: int, seed: int) -> list[dict]:
     """`count` problems "What is a + b?" / "a - b" with the answer as label (and as the SFT response); a pair's
-    rejected answer is off by 1 to 10. Problems with (a * 7 + b) % 5 == 0 are eval's only."""
+    rejected answer is off by 1 to 10. Problems with (a * 7 + b) % 5 == 0 are held out of training: those with a + b
+    even are eval's (the validation set), the others `test`'s (the benchmark builtin:arithmetic)."""
     rng = random.Random(f"{seed}/arithmetic/{role}")
+    held_out = {"eval": 0, "test": 1}.get(role)
     rows = []
     while len(rows) < count:
         a, b = rng.randrange(100), rng.randrange(100)
-        if ((a * 7 + b) % 5 == 0) != (role == "eval"):
+        if ((a * 7 + b) % 5 == 0) != (held_out is not None) or held_out is not None and (a + b) % 2 != held_out:
             continue
         op = rng.choice("+-")
         a, b = (a, b) if op == "+" or a >= b else (b, a)

@@ -4,7 +4,10 @@ Every input stage directory names its MLflow run (stage.json); the numbers come 
 side files. Methods run once per seed of the grid are shown as mean ± std over seeds. Outputs:
   results.{md,tex,csv}            held-out evaluation, one row per model of evaluate.models
   rl.{md,tex,csv}                 RL runs, one row per rl variant
+  benchmarks.{md,tex,csv}         test benchmarks, one row per model of evaluate.models, with significance against
+                                  evaluate.baseline (when the experiment has benchmarks)
   reward_vs_step.{png,pdf}        training reward against RL step, a line per variant and a band over seeds
+  validation_curves.{png,pdf}     held-out validation reward against RL step (when rl.eval_every was set)
   kl_reward_frontier.{png,pdf}    held-out reward against KL to the base model, per model and seed
   training_curves.{png,pdf}       training losses of every trained stage
   report.md                       all of the above with samples; provenance.json: where each came from
@@ -15,6 +18,7 @@ import ast
 import dataclasses
 import functools
 import json
+import statistics
 import tempfile
 from pathlib import Path
 
@@ -28,10 +32,13 @@ TEMPLATE = repo_path("reports/report_template.md")
 
 @dataclasses.dataclass
 class Config:
-    """What the report shows (evaluate.models, evaluate.rewards) and what its prose describes (model, data, the
-    stages the DAG holds and the given models, each rl variant's settings merged over the rl block by the rule)."""
+    """What the report shows (evaluate.models, evaluate.rewards, the benchmarks and the baseline their tests compare
+    against) and what its prose describes (model, data, the stages the DAG holds and the given models, each rl
+    variant's settings merged over the rl block by the rule)."""
     models: list
     rewards: list
+    benchmarks: dict  # name -> settings (n_samples, pass_k, ...); {} for none
+    baseline: str  # the model of `models` the benchmark table's significance tests compare against
     model: dict
     data: dict
     stages: dict  # sft, reward_model, dpo: in the DAG or not (launcher/config.dag_stages)
@@ -40,7 +47,9 @@ class Config:
 
     @classmethod
     def from_params(cls, params: dict) -> "Config":
-        return cls(models=params["evaluate"]["models"], rewards=params["evaluate"]["rewards"], model=params["model"],
+        evaluate = params["evaluate"]
+        return cls(models=evaluate["models"], rewards=evaluate["rewards"], benchmarks=params.get("benchmarks", {}),
+                   baseline=evaluate.get("baseline") or evaluate["models"][0], model=params["model"],
                    data=params["data"], stages=params["stages"], given=params["given"], variants=params["variants"])
 
 
@@ -84,7 +93,7 @@ def describe_stages(cfg: Config) -> str:
 
 
 def tracked_run(client, stage_dir: Path, histories: tuple[str, ...] = ()) -> dict:
-    """The MLflow run that produced `stage_dir`: name, method, seed, metrics, provenance, metric histories."""
+    """The MLflow run that produced `stage_dir`: name, method, seed, params, metrics, provenance, metric histories."""
     run_id = json.loads((stage_dir / "stage.json").read_text())["mlflow_run_id"]
     found = client.get_run(run_id)
     params, tags = found.data.params, found.data.tags
@@ -92,8 +101,24 @@ def tracked_run(client, stage_dir: Path, histories: tuple[str, ...] = ()) -> dic
     return {"run_id": run_id, "run_name": found.info.run_name, "given": tags.get("alignpipe.given_model"),
             "method": params.get("model") or params.get("variant") or tags["alignpipe.stage"],
             "seed": int(params["seed"]) if "seed" in params else None,
-            "metrics": dict(found.data.metrics), "history": history,
+            "params": dict(params), "metrics": dict(found.data.metrics), "history": history,
             "git_commit": tags.get("git.commit", "unknown"), "config_hash": tags.get("alignpipe.config_hash", "")}
+
+
+def problem_scores(client, runs: list[dict]) -> dict[str, list[float]]:
+    """Each benchmark run's per-problem scores (the mean over the problem's samples), by run id, from its
+    samples.jsonl artifact. The significance tests pair problems, so every run of a benchmark must list the same ones
+    in the same order."""
+    scores, ids = {}, {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in runs:  # (each download replaces the last in tmp: read before the next)
+            problems = [json.loads(line) for line in
+                        Path(client.download_artifacts(r["run_id"], "samples.jsonl", tmp)).read_text().splitlines()]
+            scores[r["run_id"]] = [statistics.fmean(p["scores"]) for p in problems]
+            if [p["id"] for p in problems] != ids.setdefault(r["params"]["name"], [p["id"] for p in problems]):
+                raise ValueError(f"{r['run_name']}: its samples.jsonl has other problems, or another order, than the "
+                                 f"first run of benchmark {r['params']['benchmark']}; the paired tests need the same")
+    return scores
 
 
 def provenance(runs: list[dict]) -> dict:
@@ -105,12 +130,13 @@ def provenance(runs: list[dict]) -> dict:
 def run(cfg: Config, inputs: dict, output: Path, tracker) -> None:
     client = tracker.client
     evaluations = [tracked_run(client, d) for d in inputs["evaluations"]]
-    rl_runs = [tracked_run(client, d, ("reward_mean", "kl", "policy_loss")) for d in inputs["rl"]]
+    rl_runs = [tracked_run(client, d, ("reward_mean", "kl", "policy_loss", "eval_reward")) for d in inputs["rl"]]
+    benchmark_runs = [tracked_run(client, d) for d in inputs.get("benchmarks", [])]  # (none in older experiments)
     trained = [tracked_run(client, d, ("loss",)) for d in [*inputs["sft"], *inputs["reward_model"], *inputs["dpo"]]]
     reward_model = next((r for r in trained if r["method"] == "reward_model"), None)
     tracker.set_tags({"alignpipe.dag": json.dumps({"stages": cfg.stages, "given": cfg.given,
                                                    "variants": list(cfg.variants)}, sort_keys=True)})
-    sources = {}
+    sources, tables_written = {}, []
 
     eval_columns = [c for c in tables.eval_columns([reward_name(r) for r in cfg.rewards])
                     if all(c[0] in r["metrics"] for r in evaluations)]  # (no perplexity without SFT data)
@@ -127,9 +153,27 @@ def run(cfg: Config, inputs: dict, output: Path, tracker) -> None:
         (output / f"{name}.tex").write_text(tables.latex(rows, columns, caption, f"tab:{name}", source))
         (output / f"{name}.csv").write_text(tables.csv_text(rows, columns, source))
         sources |= {f"{name}.{ext}": source for ext in ("md", "tex", "csv")}
+        tables_written.append(name)
+
+    bench_columns = tables.benchmark_columns(cfg.benchmarks, benchmark_runs)
+    if bench_columns:
+        bench_rows = tables.benchmark_rows(benchmark_runs, problem_scores(client, benchmark_runs), cfg.models,
+                                           cfg.baseline, bench_columns)
+        bench_note = tables.benchmark_note(cfg.benchmarks, bench_columns, cfg.baseline)
+        source = provenance(benchmark_runs)
+        (output / "benchmarks.md").write_text(tables.benchmark_markdown(bench_rows, bench_columns) + "\n\n"
+                                              + bench_note + "\n\n" + tables.source_line(source) + "\n")
+        (output / "benchmarks.tex").write_text(tables.benchmark_latex(
+            bench_rows, bench_columns, tables.latex_escape(bench_note), "tab:benchmarks", source))
+        (output / "benchmarks.csv").write_text(tables.benchmark_csv(bench_rows, bench_columns, source))
+        sources |= {f"benchmarks.{ext}": source for ext in ("md", "tex", "csv")}
+        tables_written.append("benchmarks")
 
     figures_drawn = []
+    # eval_reward at more steps than the first and the last only where rl.eval_every was set
+    validated = any(len(r["history"]["eval_reward"]) > 2 for r in rl_runs)
     for name, draw, runs in (("reward_vs_step", figures.reward_vs_step, rl_runs),
+                             ("validation_curves", figures.validation_curves, rl_runs if validated else []),
                              ("kl_reward_frontier", functools.partial(figures.kl_reward_frontier,
                                                                       reward=reward_name(cfg.rewards[0])),
                               evaluations if cfg.rewards else []),
@@ -160,9 +204,13 @@ def run(cfg: Config, inputs: dict, output: Path, tracker) -> None:
         sections += (f"\n## RL\n\nThe RL reward ({', '.join(sorted({describe_reward(v['reward']) for v in cfg.variants.values()}))}) "
                      f"on held-out prompts, for the {start} each run starts from and for the trained policy.\n\n"
                      + tables.markdown(rl_rows, tables.RL_COLUMNS) + "\n")
+    if bench_columns:
+        sections += (f"\n## Benchmarks\n\nEvery model on the test benchmarks, each problem sampled n times; † marks an "
+                     f"avg@n that differs from the baseline's ({cfg.baseline}).\n\n"
+                     + tables.benchmark_markdown(bench_rows, bench_columns) + "\n\n" + bench_note + "\n")
     if figures_drawn:
         titles = {"reward_vs_step": "reward against RL step", "kl_reward_frontier": "reward against KL to the base model",
-                  "training_curves": "training curves"}
+                  "training_curves": "training curves", "validation_curves": "validation reward against RL step"}
         sections += "\n" + "\n".join(f"![{titles[name]}]({name}.png)" for name in figures_drawn) + "\n"
     text = TEMPLATE.read_text().format(
         experiment=output.parent.name,  # results/<experiment>/report
@@ -178,11 +226,11 @@ def run(cfg: Config, inputs: dict, output: Path, tracker) -> None:
         else "no perplexity (the experiment has no SFT dataset).",
         table=tables.markdown(eval_rows, eval_columns),
         sections=sections,
-        rl_files=", `rl.*`" if rl_runs else "",
+        rl_files="".join(f", `{name}.*`" for name in tables_written if name != "results"),
         sample_model=last["run_name"].removeprefix("evaluate/"),
         samples="\n".join(f"- *{s['input']}* → {s['completion'].strip()!r}"
                           + (f" (reward {s['reward']:.2f})" if s["reward"] is not None else "") for s in samples),
-        source=tables.source_line(provenance(evaluations + rl_runs + trained)),
+        source=tables.source_line(provenance(evaluations + rl_runs + trained + benchmark_runs)),
     )
     (output / "report.md").write_text(text)
     (output / "provenance.json").write_text(json.dumps(sources, indent=2))

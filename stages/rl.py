@@ -9,6 +9,9 @@ One driver (this module's `run`) and actor groups: policy (DeepSpeed ZeRO ranks,
     CISPO's policy loss; value loss) -> weight sync (trainer -> vLLM)
 
 and a checkpoint every `checkpoint_every` steps; a restart resumes from the latest with the same prompt order.
+The held-out prompts (the validation set) are scored before training, every `eval_every` steps and at the end, with
+the same seeds each time; `keep: best` outputs the policy of the best of these steps (the start model included)
+instead of the last.
 With `async_rollouts: 1` step t+1's generation (a thread of this driver: the engines are actors of their own) runs
 while step t makes its experience and trains, with the weights before step t's update; the weight sync waits for
 both. A checkpoint then keeps the rollout generated ahead, so a resumed run trains on the samples the uninterrupted
@@ -20,6 +23,7 @@ One config names several variants (e.g. grpo, ppo); each is a separate run of th
 import dataclasses
 import json
 import random
+import shutil
 import statistics
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -75,6 +79,8 @@ class Config(trainer.TrainerConfig):
     reward: str
     colocate: bool
     eval_prompts: int
+    eval_every: int
+    keep: str  # last or best: which step's policy is the stage's output
     frozen_ranks: int
     vllm: dict  # the schema's rl.vllm: engines, tensor parallelism, memory, sleep
 
@@ -157,6 +163,19 @@ def held_out_reward(roles: Roles, cfg: Config, prompts: list[dict]) -> float:
     return statistics.fmean(score(roles, rollout))
 
 
+def best_of(evals: list) -> tuple[int, float]:
+    """(step, held-out reward) of the best of `evals`, [step, reward] pairs in step order; ties: the earliest."""
+    step, reward = max(evals, key=lambda e: e[1])  # (max keeps the first of equal maxima)
+    return step, reward
+
+
+def keep_best_dirs(root: Path, steps: set) -> None:
+    """Remove the best policies saved in `root` (step<N>/) except those of `steps`."""
+    for path in root.glob("step*"):
+        if int(path.name[4:]) not in steps:
+            shutil.rmtree(path, ignore_errors=True)
+
+
 def run(cfg: Config, inputs: dict, output: Path, tracker) -> None:
     tokenizer = load_tokenizer(inputs["model"])
     encode = lambda text: tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -178,12 +197,37 @@ def run(cfg: Config, inputs: dict, output: Path, tracker) -> None:
     roles = Roles(cfg, inputs, cfg.steps * rows_per_step // cfg.batch_size * cfg.ppo_epochs, threads, max_len, tracker)
     beat(f"rl/{cfg.name}: its actors and engines started")
     ckpt_dir = tracker.checkpoint_dir if cfg.checkpoint_every else None
+    # keep: best saves each new best policy when it is found: beside the checkpoints, where a resumed run finds it
+    # (the job removes them once the stage succeeded), or without checkpoints in the output being written (removed
+    # if the stage fails), whence the best is moved into place at the end.
+    best_root = (ckpt_dir or output) / "best"
+    evals = []  # [step, held-out reward]: the validation curve
+    checkpointed_best = None  # the best step that the latest checkpoint names: its policy must stay until a later one
+
+    def validate(s: int) -> None:
+        """Score the held-out prompts with the policy after s steps; save it if it is the best yet (keep: best; the
+        final policy goes to the output at the end)."""
+        reward = held_out_reward(roles, cfg, eval_prompts)
+        evals.append([s, reward])
+        tracker.log_metrics({"eval_reward": reward}, step=s)
+        best_step, best_reward = best_of(evals)
+        print(f"[rl/{cfg.name}] step {s}/{cfg.steps} held-out reward {reward:.4f} (best {best_reward:.4f} at step "
+              f"{best_step})", flush=True)
+        beat(f"rl/{cfg.name}: held-out reward at step {s}")
+        if cfg.keep == "best" and best_step == s and s < cfg.steps:
+            roles.policy.call("save_hf", str(best_root / f"step{s}"), str(inputs["model"]))
+            keep_best_dirs(best_root, {s, checkpointed_best})
 
     step, log, kl_coef = 0, [], cfg.kl_coef
     rng, order = random.Random(cfg.seed), []  # the prompts' order: passes over them, each seeded
     if resumed := checkpoints.resume(ckpt_dir, roles.trainers, "rl"):
         step, state = resumed
-        log, kl_coef, eval_before = state["log"], state["kl_coef"], state["eval_reward_before"]
+        log, kl_coef, evals = state["log"], state["kl_coef"], state["evals"]
+        # A best saved after the checkpoint is the interrupted run's: this run scores those steps again.
+        checkpointed_best = best_of(evals)[0]
+        keep_best_dirs(best_root, {checkpointed_best})
+        for s, reward in evals:  # the validation curve so far, into this attempt's MLflow run (a new one)
+            tracker.log_metrics({"eval_reward": reward}, step=s)
         # Where the order stood (dynamic sampling draws a varying number of prompts per step): same prompts next.
         by_id = {p["id"]: p for p in prompts}
         order = [by_id[i] for i in state["order"]]
@@ -192,9 +236,8 @@ def run(cfg: Config, inputs: dict, output: Path, tracker) -> None:
         roles.sync_weights()
         tracker.log_metrics({"resumed_from_step": step}, step=step)
     else:
-        eval_before = held_out_reward(roles, cfg, eval_prompts)
-        tracker.log_metrics({"eval_reward": eval_before}, step=0)
-        beat(f"rl/{cfg.name}: held-out reward before training")
+        shutil.rmtree(best_root, ignore_errors=True)  # an earlier attempt's, cut short before its first checkpoint
+        validate(0)
 
     def draw(count: int) -> list[dict]:
         nonlocal order
@@ -242,21 +285,34 @@ def run(cfg: Config, inputs: dict, output: Path, tracker) -> None:
         tracker.log_metrics(metrics, step=step)
         log.append({"step": step, "loss": metrics["policy_loss"], **metrics, "prompt_ids": [p["id"] for p in batch]})
         progress.update(step, reward=metrics["reward_mean"], kl=metrics["kl"], clip=metrics["clip_fraction"])
+        if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:  # (the last step's: after the loop)
+            validate(step)
         if ckpt_dir and step % cfg.checkpoint_every == 0 and step < cfg.steps:
             checkpoints.save(ckpt_dir, step, roles.trainers,
-                             {"log": log, "kl_coef": kl_coef, "eval_reward_before": eval_before,
+                             {"log": log, "kl_coef": kl_coef, "evals": evals,
                               "order": [p["id"] for p in order], "order_rng": rng.getstate()}
                              | ({"ahead": sample_state(ahead.result())} if ahead else {}), cfg.keep_checkpoints)
+            checkpointed_best = best_of(evals)[0]
+            keep_best_dirs(best_root, {checkpointed_best})
     if pool:
         pool.shutdown()
 
-    eval_after = held_out_reward(roles, cfg, eval_prompts)
-    tracker.log_metrics({"eval_reward": eval_after, "eval_reward_before": eval_before, "final_kl": log[-1]["kl"]},
-                        step=step)
-    roles.policy.call("save_hf", str(output), str(inputs["model"]))
+    validate(step)
+    (_, eval_before), (_, eval_after) = evals[0], evals[-1]
+    best_step, best_reward = best_of(evals)
+    kept_step = best_step if cfg.keep == "best" else step
+    if kept_step == step:
+        roles.policy.call("save_hf", str(output), str(inputs["model"]))
+    else:
+        for path in (best_root / f"step{kept_step}").iterdir():
+            shutil.move(path, output / path.name)
+    shutil.rmtree(best_root, ignore_errors=True)
+    chosen = {"best_step": best_step, "best_eval_reward": best_reward, "kept_step": kept_step}
+    tracker.log_metrics({"eval_reward_before": eval_before, "final_kl": log[-1]["kl"]} | chosen, step=step)
     trainer.save_log(output, log)
     summary = {"variant": cfg.name, "estimator": cfg.estimator, "steps": step, "eval_reward_before": eval_before,
                "eval_reward": eval_after, "final_reward_mean": log[-1]["reward_mean"], "final_kl": log[-1]["kl"]}
-    (output / "metrics.json").write_text(json.dumps(summary, indent=2))
+    (output / "metrics.json").write_text(json.dumps(summary | chosen, indent=2))
     tracker.log_artifact(output / "metrics.json")
-    print(f"[rl/{cfg.name}] held-out reward {eval_before:.4f} -> {eval_after:.4f}", flush=True)
+    print(f"[rl/{cfg.name}] held-out reward {eval_before:.4f} -> {eval_after:.4f}, best {best_reward:.4f} at step "
+          f"{best_step}; the output holds the policy of step {kept_step}", flush=True)

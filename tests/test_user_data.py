@@ -204,13 +204,15 @@ def test_too_long_rows_are_dropped_or_cut_and_counted(mode, counter):
     assert fmt.stats["sft"]["dropped_long_prompt"] == 1 and fmt.stats["sft"][counter] == 1
 
 
-def test_builtin_arithmetic_answers_and_a_held_out_eval():
+def test_builtin_arithmetic_answers_a_held_out_eval_and_a_test_set():
     train = builtin_data.arithmetic_rows("prompts", 200, seed=0)
     held_out = builtin_data.arithmetic_rows("eval", 50, seed=0)
-    for row in train + held_out:
+    test = builtin_data.arithmetic_rows("test", 200, seed=0)  # the benchmark's problems
+    for row in train + held_out + test:
         a, op, b = row["prompt"].removeprefix("What is ").split("?")[0].split()
         assert row["label"] == str(int(a) + int(b) if op == "+" else int(a) - int(b))
-    assert not {r["prompt"] for r in train} & {r["prompt"] for r in held_out}
+    prompts = lambda rows: {r["prompt"] for r in rows}
+    assert not prompts(train) & prompts(held_out) and not prompts(test) & (prompts(train) | prompts(held_out))
     pairs = builtin_data.arithmetic_rows("preference", 20, seed=0)
     assert all(p["chosen"] != p["rejected"] for p in pairs)
 

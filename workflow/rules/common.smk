@@ -1,5 +1,6 @@
 # Config validation, result paths and the launch command shared by every rule.
 import json
+import re
 import shlex
 import sys
 from pathlib import PurePosixPath
@@ -7,7 +8,7 @@ from pathlib import PurePosixPath
 sys.path.insert(0, workflow.basedir)
 from launcher.code_hash import stage_code_hash
 from launcher.checks import check_before_queueing
-from launcher.config import (ConfigError, dag_stages, evaluate_params, method_seeds, preprocess_params,
+from launcher.config import (ConfigError, benchmark_params, dag_stages, evaluate_params, method_seeds, preprocess_params,
                              read_config_file, report_params, rl_variant, seeded_models, stage_jobs, validate_config)
 from runtime.user_data import DataError, ROLES, is_builtin, is_hub
 
@@ -123,10 +124,22 @@ def model_dir(wildcards):
     return {"base": f"{RESULTS}/base_model", "sft": f"{RESULTS}/sft"}[wildcards.model]
 
 
+def benchmark_inputs(wildcards):
+    """The files a benchmark reads, where they are local: its dataset, its scorer file, its lm-eval task file or
+    directory (a changed one reruns its jobs)."""
+    bench = config["benchmarks"][wildcards.name]
+    lm_eval = bench["lm_eval"] or {}
+    files = [bench["path"]] if bench["path"] and not is_builtin(bench["path"]) and not is_hub(bench["path"]) else []
+    files += [bench["scorer"]] if bench["scorer"].endswith(".py") else []
+    files += [lm_eval["task"]] if lm_eval.get("task", "").endswith((".yaml", ".yml")) else []
+    files += [lm_eval["include_path"]] if lm_eval.get("include_path") else []
+    return {"benchmark_files": files}
+
+
 def report_inputs(wildcards):
     """The outputs of every evaluation (in the order of evaluate.models) and training stage the DAG holds, by stage
     (launcher/config.stage_jobs); each names its MLflow run."""
-    runs = {"evaluate": [], "sft": [], "reward_model": [], "dpo": [], "rl": []}
+    runs = {"evaluate": [], "sft": [], "reward_model": [], "dpo": [], "rl": [], "benchmark": []}
     for stage, run_name, _ in stage_jobs(config):
         runs.get(stage, []).append(f"{RESULTS}/{run_name}")
-    return {"evaluations": runs.pop("evaluate")} | runs
+    return {"evaluations": runs.pop("evaluate"), "benchmarks": runs.pop("benchmark")} | runs
