@@ -542,19 +542,21 @@ def _benchmark_estimate(params: dict, config: dict, sizes: dict, g: int, gpu_gb:
     bench, vllm = params["benchmark"], params["vllm"]
     evaluated = sizes["base"] if params["model"] == "base" else sizes["policy"]
     prompt = config["data"]["max_prompt_tokens"] * (bench["few_shot"] + 1)
-    notes = []
-    engine = vllm_items(evaluated, vllm, vllm_share(vllm, shares_gpu=False) * gpu_gb,
-                        prompt + bench["max_new_tokens"] + 8, "evaluate.vllm", notes)
-    gpu = {"vLLM engine GPU: generation": engine}
-    if bench["scorer"] == "choice" or bench["lm_eval"]:
+    notes, gpu = [], {}
+    choice = bench["scorer"] == "choice" and not bench["lm_eval"]
+    if not choice:  # (choice starts no engine)
+        gpu["vLLM engine GPU: generation"] = vllm_items(evaluated, vllm, vllm_share(vllm, shares_gpu=False) * gpu_gb,
+                                                        prompt + bench["max_new_tokens"] + 8, "evaluate.vllm", notes)
+    if choice or bench["lm_eval"]:
         seq = prompt + bench["max_new_tokens"]
         gpu["scorer GPU: log-likelihoods"] = {"evaluated model (bf16, spread)": spread_gb(evaluated, g),
                                               "CUDA context": CUDA_CONTEXT_GB,
                                               "forward pass": forward_gb(evaluated, SCORE_BATCH, seq),
                                               "logits": logits_gb(evaluated, SCORE_BATCH, seq, LOGITS_FORWARD)}
-    host = {"generation": {"processes": HOST_PER_PROCESS_GB * min(vllm["num_engines"] * vllm["tensor_parallel_size"],
-                                                                     g)},
-            "scoring": {"processes": HOST_PER_PROCESS_GB, "scorer loading a model (bf16)": 2 * evaluated.params / GB}}
+    engine_gpus = vllm["num_engines"] * vllm["tensor_parallel_size"]
+    host = {} if choice else {"generation": {"processes": HOST_PER_PROCESS_GB * min(engine_gpus, g)}}
+    if choice or bench["lm_eval"]:
+        host["scoring"] = {"processes": HOST_PER_PROCESS_GB, "scorer loading a model (bf16)": 2 * evaluated.params / GB}
     return Estimate(gpu, host, notes)
 
 

@@ -258,3 +258,26 @@ def test_packing_counts_the_packed_rows_logits_and_sleeping_engines_nothing_on_t
     assert "packed row's logits" in packed.gpu["every role's GPU: experience"]
     assert "packed row's logits" not in plain.gpu[training]
     assert params["rl"]["vllm"]["sleep"] and not any("vLLM" in item for phase in plain.host.values() for item in phase)
+
+
+def test_benchmark_jobs_are_in_the_plan_and_a_scorer_on_too_few_gpus_is_refused():
+    """The 70B example with an AIME-length sampled benchmark and a multiple-choice one on evaluate's layout (5 x 80
+    GB): every benchmark job is planned and fits; on one GPU the choice job's scorer (the 70B model, 141 GB in bf16)
+    is refused, naming the keys that would make it fit."""
+    benchmarks = {"aime": {"path": "builtin:arithmetic", "scorer": "math", "n_samples": 8, "temperature": 0.6,
+                           "max_new_tokens": 4096},
+                  "mc": {"path": "builtin:arithmetic", "scorer": "choice", "choices_key": "options"}}
+    layout = {"nodes": 1, "gpus_per_node": 5, "cpus_per_node": 40, "mem_gb": 256}
+    config = load_example(example_file("llama3-70b-ppo"), {"benchmarks": benchmarks,
+                                                           "launcher": {"stages": {"benchmark": layout}}})
+    jobs = [job for job in memory_plan(config, sizes=hub_sizes(config)) if job.stage == "benchmark"]
+    assert {job.run_name.split("/")[1] for job in jobs} == {"aime", "mc"} and len(jobs) == 2 * 5  # evaluate.models
+    assert all(job.fits for job in jobs), [(job.run_name, job.gpu_phase, job.gpu_peak) for job in jobs]
+    assert {job.gpu_phase for job in jobs if "/mc/" in job.run_name} == {"scorer GPU: log-likelihoods"}
+    config = load_example(example_file("llama3-70b-ppo"), {"benchmarks": benchmarks, "launcher": {"stages": {
+        "benchmark": layout | {"gpus_per_node": 1, "cpus_per_node": 8}}}})
+    with pytest.raises(ConfigError) as err:
+        check_memory(config, "70b-benchmarks.yaml", sizes=hub_sizes(config))
+    message = str(err.value)
+    assert "benchmark/mc/base/seed42: its fullest GPU (scorer GPU) needs" in message, message
+    assert "launcher.stages.benchmark.gpus_per_node" in message and "benchmark/aime/" not in message, message

@@ -25,6 +25,7 @@ from transformers import AutoTokenizer
 from launcher.config import REPO_ROOT, deep_merge, load_config_files, report_params
 from pipeline_helpers import finish_dag, planned_jobs, planned_outputs, snakemake, start_dag, wait_until, write_config
 from runtime.builtin_data import arithmetic_rows
+from runtime.data import write_jsonl
 from runtime.models import build_tiny
 from stages.report import Config as ReportConfig, describe_experiment
 
@@ -417,14 +418,45 @@ def test_full_rlhf_chain_holds_only_its_stages(gpt2_run):
 ARITHMETIC_TEXTS = [f"{r['prompt']} {r['response']}" for r in arithmetic_rows("sft", 256, 0)]
 
 
+def write_benchmark_files(directory: Path) -> dict:
+    """A multiple-choice benchmark (JSONL) and an lm-evaluation-harness task YAML over a local JSONL of questions."""
+    rows = arithmetic_rows("test", 12, seed=7)
+    rng = random.Random(7)
+    choices = []
+    for row in rows[:8]:
+        options = [row["label"], str(int(row["label"]) + rng.randint(1, 9)), str(int(row["label"]) - rng.randint(1, 9))]
+        rng.shuffle(options)
+        choices.append({"question": row["prompt"], "options": options, "answer": options.index(row["label"])})
+    write_jsonl(directory / "choices.jsonl", choices)
+    write_jsonl(directory / "questions.jsonl", [{"question": r["prompt"], "answer": r["label"]} for r in rows])
+    (directory / "qa_task.yaml").write_text(yaml.safe_dump({
+        "task": "arith_qa", "dataset_path": "json", "test_split": "test", "output_type": "generate_until",
+        "dataset_kwargs": {"data_files": {"test": str(directory / "questions.jsonl")}},
+        "doc_to_text": "Q: {{question}}\nA:", "doc_to_target": "{{answer}}",
+        "generation_kwargs": {"until": ["\n"], "max_gen_toks": 8},
+        "metric_list": [{"metric": "exact_match", "aggregation": "mean", "higher_is_better": True,
+                         "ignore_case": True, "ignore_punctuation": True}]}))
+    return {"choices": str(directory / "choices.jsonl"), "task": str(directory / "qa_task.yaml"), "rows": choices}
+
+
 def rl_only_experiment(root: Path) -> dict:
-    """config/rl-verifiable-reward.yaml on a tiny given instruct model (Mistral): its model and config."""
+    """config/rl-verifiable-reward.yaml on a tiny given instruct model (Mistral): its model and config, with three
+    test benchmarks: arithmetic problems scored as mathematics, a multiple-choice file and an lm-eval task."""
     model_dir = root.parent / "my-mistral-instruct"
     build_user_model(model_dir, "mistral", ARITHMETIC_TEXTS, chat=True)
+    files = write_benchmark_files(root.parent)
     overrides = {"model": {"path": str(model_dir)}, "data": {"prompts": {"max_samples": 64}},
-                 "rl": {"steps": 4, "eval_prompts": 8, "learning_rate": 1.0e-3}, "evaluate": {"num_prompts": 16}}
+                 "rl": {"steps": 4, "eval_prompts": 8, "learning_rate": 1.0e-3}, "evaluate": {"num_prompts": 16},
+                 "benchmarks": {
+                     "arith": {"path": "builtin:arithmetic", "max_samples": 16, "scorer": "math",
+                               "answer_pattern": r"^\s*(-?\d+)", "n_samples": 4, "pass_k": [1, 2, 4],
+                               "temperature": 1.0, "max_new_tokens": 8},
+                     "pick": {"path": files["choices"], "input_key": "question", "label_key": "answer",
+                              "choices_key": "options", "scorer": "choice"},
+                     "qa": {"lm_eval": {"task": files["task"]}, "n_samples": 2, "temperature": 1.0,
+                            "max_new_tokens": 8}}}
     return {"root": root, "configfile": shipped_config("rl-verifiable-reward", root, **overrides), "overrides": overrides,
-            "model_dir": model_dir}
+            "model_dir": model_dir, "benchmark_files": files}
 
 
 # The runs UserRuns makes, in this order: (how, its temporary directory, its experiment's name and directory).
@@ -442,11 +474,12 @@ def test_rl_only_experiment_holds_only_its_stages(rl_only_run):
     """RL with a verifiable reward on a given instruct model: no SFT, no reward model, no DPO, no preference data."""
     config = yaml.safe_load(rl_only_run["configfile"].read_text())
     assert "preference" not in config["data"] and "sft" not in config["data"] and "dpo" not in config
-    assert planned_jobs(rl_only_run["plan"]) == {"base_model": 1, "preprocess": 1, "rl": 1, "evaluate": 2, "report": 1,
-                                                 "all": 1}
+    assert planned_jobs(rl_only_run["plan"]) == {"base_model": 1, "preprocess": 1, "rl": 1, "evaluate": 2,
+                                                 "benchmark": 6, "report": 1, "all": 1}
     results = rl_only_run["results"]
+    benchmarks = {f"benchmark/{name}/{model}/seed1234" for name in ("arith", "pick", "qa") for model in ("base", "grpo")}
     assert made_stages(results) == {"base_model", "preprocess/prompts", "rl/grpo/seed1234", "evaluate/base/seed1234",
-                                    "evaluate/grpo/seed1234", "report"}
+                                    "evaluate/grpo/seed1234", "report"} | benchmarks
     # RL starts from the given model itself (base_model), scored by the exact-match reward on the prompts' labels.
     inputs = json.loads((results / "rl" / "grpo" / "seed1234" / "stage.json").read_text())["inputs"]
     assert Path(inputs["model"]) == (results / "base_model").resolve() and "reward_model" not in inputs
@@ -478,15 +511,73 @@ def test_rl_only_experiment_holds_only_its_stages(rl_only_run):
                                                                             "dpo": False}
 
 
+def test_benchmarks_are_scored_per_sample_and_tabled_with_significance(rl_only_run):
+    """Three benchmarks on base and grpo through the real vLLM, math-verify, lm-eval and MLflow: every problem's samples
+    kept and scored, metrics recomputable from them, and the report's table with every model x benchmark cell and a
+    significance mark exactly where the paired test's p-value is below 0.05."""
+    results = rl_only_run["results"]
+    for model in ("base", "grpo"):
+        arith = results / "benchmark" / "arith" / model / "seed1234"
+        problems = data_rows(arith / "samples.jsonl")
+        metrics = json.loads((arith / "metrics.json").read_text())
+        assert len(problems) == metrics["num_problems"] == 16
+        assert all(len(p["completions"]) == len(p["scores"]) == len(p["answers"]) == 4 for p in problems)
+        # the answer anchored at the reply's start (answer_pattern): a number inside prose is no answer
+        assert all(a is None or a.lstrip("-").isdigit() for p in problems for a in p["answers"])
+        assert all(s == float(a is not None and int(a) == int(p["label"]))
+                   for p in problems for a, s in zip(p["answers"], p["scores"]))
+        assert metrics["avg_at_4"] == pytest.approx(sum(sum(p["scores"]) / 4 for p in problems) / 16)
+        solved = sum(any(p["scores"]) for p in problems) / 16
+        assert metrics["pass_at_4"] == pytest.approx(solved) and metrics["pass_at_1"] == pytest.approx(metrics["avg_at_4"])
+        assert metrics["avg_at_4"] <= metrics["pass_at_2"] <= metrics["pass_at_4"]
+        pick = data_rows(results / "benchmark" / "pick" / model / "seed1234" / "samples.jsonl")
+        assert len(pick) == 8
+        for problem, row in zip(pick, data_rows(Path(rl_only_run["benchmark_files"]["choices"]))):
+            assert problem["answers"][0] in row["options"] and problem["completions"] == []
+            assert problem["scores"] == [float(row["options"].index(problem["answers"][0]) == row["answer"])]
+        qa = data_rows(results / "benchmark" / "qa" / model / "seed1234" / "samples.jsonl")
+        assert len(qa) == 12 and all(len(p["completions"]) == 2 and p["input"].startswith("Q: What is ") for p in qa)
+        assert all(s in (0.0, 1.0) and (s == 0 or p["label"] in c) for p in qa for c, s in zip(p["completions"],
+                                                                                                p["scores"]))
+    # the samples of one problem are drawn independently of the next problem's (each sample its own seed)
+    qa = data_rows(results / "benchmark" / "qa" / "base" / "seed1234" / "samples.jsonl")
+    assert not any(a["completions"][1] == b["completions"][0] for a, b in zip(qa, qa[1:]) if a["completions"][1])
+    table = list(csv.DictReader((results / "report" / "benchmarks.csv").open()))
+    assert [row["method"] for row in table] == ["base", "grpo"]
+    for column in ("arith_avg_at_4", "arith_pass_at_2", "arith_pass_at_4", "arith_maj_at_4", "pick_avg_at_1",
+                   "qa_avg_at_2", "qa_pass_at_2"):
+        assert all(0 <= float(row[f"{column}_mean"]) <= 1 for row in table), column
+    markdown = (results / "report" / "benchmarks.md").read_text()
+    grpo_line = next(line for line in markdown.splitlines() if line.startswith("| grpo |"))
+    marked = [cell.strip().endswith("†") for cell in grpo_line.split("|")[3:-1]]
+    p_values = {name: float(table[1][f"{name}_p_value"]) for name in ("arith", "pick", "qa")}
+    header = next(line for line in markdown.splitlines() if line.startswith("| method |")).split("|")[3:-1]
+    for title, mark in zip(header, marked):
+        name, metric = title.strip().split()
+        assert mark == (metric.startswith("avg@") and p_values[name] < 0.05), (title, grpo_line, p_values)
+    assert "| base (baseline) |" in markdown and "paired bootstrap" in markdown
+    assert "## Benchmarks" in (results / "report" / "report.md").read_text()
+
+
+def test_adding_a_benchmark_to_a_finished_experiment_plans_only_its_jobs_and_the_report(rl_only_run):
+    overrides = deep_merge(rl_only_run["overrides"], {"benchmarks": {"arith_greedy": {
+        "path": "builtin:arithmetic", "max_samples": 8, "scorer": "exact", "max_new_tokens": 8}}})
+    configfile = shipped_config("rl-verifiable-reward", rl_only_run["root"], **overrides)
+    plan = snakemake(configfile, "all", "--dry-run").stdout
+    assert planned_outputs(plan, "rl-verifiable-reward") == {
+        "benchmark/arith_greedy/base/seed1234", "benchmark/arith_greedy/grpo/seed1234", "report"}, plan[-3000:]
+
+
 def test_adding_dpo_to_a_finished_rl_only_experiment_plans_only_dpo(rl_only_run):
-    """DPO and its pairs added: the pairs' preprocessing, DPO, its evaluation and the report; RL, its evaluations and
-    the prompts' preprocessing stay."""
+    """DPO and its pairs added: the pairs' preprocessing, DPO, its evaluation and benchmarks and the report; RL, its
+    evaluations and benchmarks and the prompts' preprocessing stay."""
     configfile = shipped_config("rl-verifiable-reward", rl_only_run["root"], **deep_merge(rl_only_run["overrides"], {
         "data": {"preference": {"path": "builtin:arithmetic", "max_samples": 96, "eval_fraction": 0.2}},
         "dpo": TINY_TRAINER}))
     plan = snakemake(configfile, "all", "--dry-run").stdout
     assert planned_outputs(plan, "rl-verifiable-reward") == {
-        "preprocess/pairs", "dpo/seed1234", "evaluate/dpo/seed1234", "report"}, plan[-3000:]
+        "preprocess/pairs", "dpo/seed1234", "evaluate/dpo/seed1234", "report",
+        *(f"benchmark/{name}/dpo/seed1234" for name in ("arith", "pick", "qa"))}, plan[-3000:]
 
 
 def test_dpo_only_and_sft_only_experiments_plan_only_their_stages(tmp_path):
