@@ -117,7 +117,7 @@ def problem_scores(client, runs: list[dict]) -> dict[str, list[float]]:
             scores[r["run_id"]] = [statistics.fmean(p["scores"]) for p in problems]
             if [p["id"] for p in problems] != ids.setdefault(r["params"]["name"], [p["id"] for p in problems]):
                 raise ValueError(f"{r['run_name']}: its samples.jsonl has other problems, or another order, than the "
-                                 f"first run of benchmark {r['params']['benchmark']}; the paired tests need the same")
+                                 f"first run of benchmark {r['params']['name']}; the paired tests need the same")
     return scores
 
 
@@ -175,8 +175,8 @@ def run(cfg: Config, inputs: dict, output: Path, tracker) -> None:
     for name, draw, runs in (("reward_vs_step", figures.reward_vs_step, rl_runs),
                              ("validation_curves", figures.validation_curves, rl_runs if validated else []),
                              ("kl_reward_frontier", functools.partial(figures.kl_reward_frontier,
-                                                                      reward=reward_name(cfg.rewards[0])),
-                              evaluations if cfg.rewards else []),
+                                                                      reward=reward_name((cfg.rewards or [""])[0])),
+                              evaluations if cfg.rewards else []),  # (evaluate.rewards may be empty: no frontier)
                              ("training_curves", figures.training_curves, trained + rl_runs)):
         if not runs:
             continue
