@@ -1,8 +1,8 @@
 """The checks that run before anything is queued, at Snakefile parse time (workflow/rules/common.smk): hub ids that
 the offline jobs would not find in the Hugging Face cache, every job's resource request as the launcher will check it
 (launcher/resources.py), Slurm's commands and partitions where stages run on Slurm, the users' dataset rows
-(runtime/user_data.check_datasets), batches that the data cannot fill and datasets none of whose prompts fits
-data.max_prompt_tokens.
+(runtime/user_data.check_datasets), batches that the data cannot fill, datasets none of whose prompts fits
+data.max_prompt_tokens, and the environment file (environment.path: imported in a child process).
 
 Imported by the Snakefile, so it must stay light (no torch, no ray).
 """
@@ -13,7 +13,7 @@ import tempfile
 from pathlib import Path
 
 from launcher.config import (DATASET_ROLES, REPO_ROOT, RESULTS_FILES, RESULTS_MARKER, ConfigError, check_dag_data,
-                             dag_stages, results_root, stage_jobs, trained_stages)
+                             check_environment_file, dag_stages, results_root, stage_jobs, trained_stages)
 from launcher.memory import check_memory
 from launcher.resources import FOREIGN_RESOURCES, RESOURCE_KEYS, check_slurm_stages, check_stages
 from runtime.builtin_data import review_pool_sizes
@@ -29,6 +29,8 @@ def check_before_queueing(config: dict, source: str, resource_settings) -> str |
     the GPU jobs as a table (launcher/memory.py), None without GPU jobs."""
     check_output_dirs(config, source)
     check_dag_data(config, source)
+    if config["environment"] is not None:  # (read by rl and evaluate: runtime/environments.load_environment)
+        check_environment_file(config["environment"]["path"], f"{source}: environment.path")
     check_hub_ids(config, source)
     jobs, profile_for = list(stage_jobs(config)), lambda rule: profile_resources(resource_settings, rule)
     problems = check_stages(jobs, config["launcher"], profile_for)

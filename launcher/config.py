@@ -148,11 +148,11 @@ def dag_models(config: dict) -> list[str]:
 
 
 def resolve_evaluation(config: dict) -> None:
-    """evaluate.rewards null: the rl variants' rewards (each once, in order; none without RL); evaluate.models null:
-    every model the DAG makes."""
+    """evaluate.rewards null: the rl variants' rewards (each once, in order; none without RL; a variant's reward null,
+    the environment's step rewards alone, is none); evaluate.models null: every model the DAG makes."""
     evaluate = config["evaluate"]
     if evaluate["rewards"] is None:
-        rewards = [rl_variant(config, name)["reward"] for name in config["rl"]["variants"]]
+        rewards = [reward for name in config["rl"]["variants"] if (reward := rl_variant(config, name)["reward"])]
         evaluate["rewards"] = list(dict.fromkeys(rewards))
     if evaluate["models"] is None:
         evaluate["models"] = dag_models(config)
@@ -272,6 +272,7 @@ def check_consistency(config: dict, source: str) -> None:
                               f"{where}.micro_batch_size * {where}.num_workers = {per_step}")
         if trainer["lora_rank"]:
             check_lora_targets(trainer["lora_targets"], architecture, f"{source}: {where}.lora_targets")
+    check_rewards_without_environment(config, source)
     prompts = reward_check_prompts(config)
     for name in config["rl"]["variants"]:
         rl = trainers[f"rl.variants.{name}"]
@@ -299,7 +300,7 @@ def check_consistency(config: dict, source: str) -> None:
             raise ConfigError(f"{source}: rl.variants.{name}: rollout_batch_size * n_samples = "
                               f"{rl['rollout_batch_size'] * rl['n_samples']} must be a multiple of batch_size = "
                               f"{rl['batch_size']}")
-        if rl["reward"] != "model":
+        if rl["reward"] not in ("model", None):
             inherited = "" if "reward" in config["rl"]["variants"][name] else " (inherited from rl.reward)"
             check_reward_file(rl["reward"], f"{source}: rl.variants.{name}.reward{inherited}", prompts)
     columns = {}  # each reward's column of the results (reward_<file name>): two files may not share one
@@ -325,6 +326,22 @@ def check_consistency(config: dict, source: str) -> None:
         raise ConfigError(f"{source}: data.input_template applies only with data.apply_chat_template: false")
     if not data["apply_chat_template"] and data["sft"]["messages_key"]:
         raise ConfigError(f"{source}: data.sft.messages_key (chat messages) needs data.apply_chat_template: true")
+
+
+def check_rewards_without_environment(config: dict, source: str) -> None:
+    """rl.reward null (the rl block's, or a variant's own) leaves an episode's reward to the environment's step
+    rewards: refused without an `environment`."""
+    if config["environment"] is not None:
+        return
+    rl = config["rl"]
+    keys = ["rl.reward"] * (rl["reward"] is None) + [
+        f"rl.variants.{name}.reward" for name, variant in rl["variants"].items()
+        if "reward" in variant and variant["reward"] is None]
+    if keys:
+        raise ConfigError(f"{source}: {' and '.join(keys)} = null: a reward of null (the environment's step rewards "
+                          "alone) needs an `environment` block (environment.path: a Python file defining class "
+                          "Environment); without one give model or a Python file defining reward_fn(prompts, "
+                          "completions, labels)")
 
 
 def read_json_file(path: Path, where: str) -> dict:
@@ -477,7 +494,8 @@ def check_reward_file(path: str, where: str, prompts: dict | None = None) -> Non
         raise ConfigError(f"{where}: {_reward_files_checked[key]}")
 
 
-REWARD_CHECKED, REWARD_REFUSED = "alignpipe: reward file checked", "alignpipe: reward file refused: "
+# What a file-checking child process prints last (child_check_problem): its verdict.
+CHILD_CHECKED, CHILD_REFUSED = "alignpipe: file checked", "alignpipe: file refused: "
 REWARD_CHILD = f"""import json, sys
 from runtime.rewards import RewardFileError, check_reward_call, load_reward_fn
 call = json.load(sys.stdin)  # the prompts, their labels and where they come from; null: none
@@ -486,32 +504,67 @@ try:
     if call:
         check_reward_call(reward_fn, sys.argv[1], call["prompts"], call["labels"], call["where"])
 except RewardFileError as err:
-    print({REWARD_REFUSED!r} + str(err), flush=True)
+    print({CHILD_REFUSED!r} + str(err), flush=True)
     sys.exit(0)
-print({REWARD_CHECKED!r}, flush=True)
+print({CHILD_CHECKED!r}, flush=True)
 """
+
+
+def child_check_problem(script: str, file: Path, timeout_s: float, doing: str, checked: str,
+                        stdin: str = "") -> str | None:
+    """Run `script` (Python that checks the file named by its sys.argv[1] and prints CHILD_REFUSED + the problem, or
+    CHILD_CHECKED, last) in a child process of this Python, within `timeout_s`; return the problem it found, or what
+    stopped it (`doing`: what the child does, for a timeout; `checked`: what it checks, for an early end), or None."""
+    try:
+        proc = subprocess.run([sys.executable, "-c", script, str(file)], cwd=REPO_ROOT, capture_output=True, text=True,
+                              errors="replace", timeout=timeout_s, input=stdin,
+                              env=os.environ | {"PYTHONPATH": str(REPO_ROOT)})
+    except subprocess.TimeoutExpired:
+        return f"{file}: {doing} did not finish within {timeout_s} s (does it wait for something?)"
+    lines = proc.stdout.splitlines()
+    if lines and lines[-1].startswith(CHILD_REFUSED):
+        return lines[-1].removeprefix(CHILD_REFUSED)
+    if proc.returncode == 0 and lines and lines[-1] == CHILD_CHECKED:
+        return None
+    how = f"was killed by signal {-proc.returncode}" if proc.returncode < 0 else f"exited with status {proc.returncode}"
+    said = (proc.stdout + proc.stderr).strip()[-400:]
+    return (f"{file}: importing or calling it, the process {how} before {checked} was checked (sys.exit, os._exit, "
+            f"a signal or KeyboardInterrupt?)" + (f"; its last output: {said}" if said else ""))
 
 
 def reward_file_problem(file: Path, prompts: dict | None = None) -> str | None:
     """What load_reward_fn and a call of reward_fn on the `prompts`, run in a child process of this Python, say of
     `file`; or what stopped them."""
-    try:
-        proc = subprocess.run([sys.executable, "-c", REWARD_CHILD, str(file)], cwd=REPO_ROOT, capture_output=True,
-                              text=True, errors="replace", timeout=REWARD_CHECK_S,
-                              input=json.dumps(prompts, default=str),
-                              env=os.environ | {"PYTHONPATH": str(REPO_ROOT)})
-    except subprocess.TimeoutExpired:
-        return (f"{file}: its import{' and a call of reward_fn' if prompts else ''} did not finish within "
-                f"{REWARD_CHECK_S} s (does it wait for something?)")
-    lines = proc.stdout.splitlines()
-    if lines and lines[-1].startswith(REWARD_REFUSED):
-        return lines[-1].removeprefix(REWARD_REFUSED)
-    if proc.returncode == 0 and lines and lines[-1] == REWARD_CHECKED:
-        return None
-    how = f"was killed by signal {-proc.returncode}" if proc.returncode < 0 else f"exited with status {proc.returncode}"
-    said = (proc.stdout + proc.stderr).strip()[-400:]
-    return (f"{file}: importing or calling it, the process {how} before reward_fn was checked (sys.exit, os._exit, "
-            f"a signal or KeyboardInterrupt?)" + (f"; its last output: {said}" if said else ""))
+    return child_check_problem(REWARD_CHILD, file, REWARD_CHECK_S,
+                               f"its import{' and a call of reward_fn' if prompts else ''}", "reward_fn",
+                               stdin=json.dumps(prompts, default=str))
+
+
+# How long an environment file's check (its import, the class's methods) may take; a hang becomes a refusal.
+ENVIRONMENT_CHECK_S = 60
+_environment_files_checked: dict = {}  # (path, mtime) -> the problem found, or None: each once per process
+ENVIRONMENT_CHILD = f"""import sys
+from runtime.environments import EnvironmentFileError, load_environment
+try:
+    load_environment(sys.argv[1])
+except EnvironmentFileError as err:
+    print({CHILD_REFUSED!r} + str(err), flush=True)
+    sys.exit(0)
+print({CHILD_CHECKED!r}, flush=True)
+"""
+
+
+def check_environment_file(path: str, where: str) -> None:
+    """The environment file the config names (environment.path): a Python file defining class Environment with reset
+    and step (runtime/environments.load_environment), imported in a child process once per file and mtime: whatever
+    its import does (exit, signal, a hang past ENVIRONMENT_CHECK_S) becomes a refusal naming `where` and the file."""
+    file = repo_path(path)
+    key = (str(file), file.stat().st_mtime_ns if file.is_file() else None)
+    if key not in _environment_files_checked:
+        _environment_files_checked[key] = child_check_problem(ENVIRONMENT_CHILD, file, ENVIRONMENT_CHECK_S,
+                                                              "its import", "class Environment")
+    if _environment_files_checked[key]:
+        raise ConfigError(f"{where}: {_environment_files_checked[key]}")
 
 
 def method_seeds(config: dict) -> list[int]:
@@ -543,8 +596,10 @@ def preprocess_params(config: dict, dataset: str) -> dict:
 
 
 def rl_variant(config: dict, name: str) -> dict:
-    """The settings of one RL run: the rl block's keys overridden by the variant's own (rl.vllm key by key)."""
-    return deep_merge({k: v for k, v in config["rl"].items() if k != "variants"}, config["rl"]["variants"][name])
+    """The settings of one RL run: the rl block's keys overridden by the variant's own (rl.vllm key by key), and the
+    `environment` its episodes run against (None: single-turn)."""
+    return deep_merge({k: v for k, v in config["rl"].items() if k != "variants"}, config["rl"]["variants"][name]) | {
+        "environment": config["environment"]}
 
 
 def stage_jobs(config: dict):
@@ -585,8 +640,9 @@ def benchmark_params(config: dict, name: str, model: str, seed: int) -> dict:
 
 def evaluate_params(config: dict) -> dict:
     """The evaluate block as one evaluation reads it: without `models` (each job's own model is its wildcard), so that
-    adding a model to the table reruns no other model's evaluation."""
-    return {k: v for k, v in config["evaluate"].items() if k != "models"}
+    adding a model to the table reruns no other model's evaluation; with the `environment` whose episodes it scores
+    (None: none)."""
+    return {k: v for k, v in config["evaluate"].items() if k != "models"} | {"environment": config["environment"]}
 
 
 def report_params(config: dict) -> dict:

@@ -12,14 +12,27 @@ import numpy as np
 from reports.stats import paired_bootstrap, standard_error
 
 
-def eval_columns(reward_names: list[str]) -> list[tuple]:
-    """The results table's columns: (MLflow metric, header, format); a column per reward of evaluate.rewards."""
-    return [(f"reward_{name}", f"{name} ↑", "{:.3f}") for name in reward_names] + [
+def eval_columns(reward_names: list[str], episodes: bool = False) -> list[tuple]:
+    """The results table's columns: (MLflow metric, header, format); a column per reward of evaluate.rewards, and
+    the environment's episode metrics where the evaluations played episodes."""
+    return [(f"reward_{name}", f"{name} ↑", "{:.3f}") for name in reward_names] + ENVIRONMENT_COLUMNS * episodes + [
         ("kl_to_reference", "KL to base", "{:.2f}"),
         ("perplexity", "perplexity ↓", "{:.2f}"),
         ("response_length", "length (tokens)", "{:.1f}"),
     ]
 
+
+ENVIRONMENT_COLUMNS = [
+    ("env_success", "success ↑", "{:.3f}"),
+    ("env_reward", "episode reward ↑", "{:.3f}"),
+    ("env_turns", "turns", "{:.2f}"),
+    ("env_tokens", "env. tokens", "{:.1f}"),
+    ("env_truncated", "truncated", "{:.3f}"),
+    ("env_errors", "env. errors", "{:.3f}"),
+    ("env_timeouts", "env. timeouts", "{:.3f}"),
+    ("env_seconds", "env. s/episode", "{:.3f}"),
+    ("env_drift", "re-render drift", "{:.3f}"),
+]
 
 RL_COLUMNS = [
     ("eval_reward_before", "held-out RL reward at the start", "{:.3f}"),

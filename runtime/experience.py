@@ -27,15 +27,18 @@ class Rollout:
     """One step's samples, one row per response; the n_samples responses to a prompt are contiguous rows.
 
     Every tensor is (B, T) float32, T the step's longest response, response-aligned: row i's value for its
-    response token t at [i, t] for t < len(response_ids[i]) (where mask is 1), 0 after. The fields after
-    rollout_logp stay None until make_experience fills them."""
+    response token t at [i, t] for t < len(response_ids[i]), 0 after. `mask` is 1 on the tokens the policy sampled
+    and trains on: all of a single-turn response, the replies of an episode (not the environment's messages, which
+    sit between them). The fields after rollout_logp stay None until make_experience fills them."""
     prompt_ids: list[list[int]]
     response_ids: list[list[int]]
     mask: torch.Tensor
     prompts: list[str] | None = None  # text and labels, for a reward_fn
     completions: list[str] | None = None
     labels: list | None = None
-    truncated: list[bool] | None = None  # cut at max_new_tokens before the end of turn
+    truncated: list[bool] | None = None  # cut at max_new_tokens before the end of turn (an episode: by its budget)
+    episodes: list[dict] | None = None  # an episode's stats per row (runtime/environments.Episode.stats)
+    env_rewards: torch.Tensor | None = None  # an episode's step rewards, each at its reply's last token
     keep: torch.Tensor | None = None  # (B,) 1 for a row the policy loss counts, 0 for one it leaves out (overlong mask)
     rollout_logp: torch.Tensor | None = None  # vLLM's log-probs of the sampled tokens
     ref_logp: torch.Tensor | None = None
@@ -46,11 +49,13 @@ class Rollout:
 
     @classmethod
     def of(cls, prompt_ids: list[list[int]], response_ids: list[list[int]], *, prompts=None, completions=None,
-           labels=None, truncated=None, **per_token: list[list[float]]) -> Rollout:
-        """A record from token lists, with any per-token fields (e.g. rollout_logp) given as per-row lists."""
+           labels=None, truncated=None, episodes=None, masks: list[list[float]] | None = None,
+           **per_token: list[list[float]]) -> Rollout:
+        """A record from token lists, with any per-token fields (e.g. rollout_logp) given as per-row lists; `masks`:
+        the rows' loss masks (default: 1 on every response token)."""
         width = max(map(len, response_ids))
-        mask = pad_rows([[1.0] * len(r) for r in response_ids], width)
-        return cls(prompt_ids, response_ids, mask, prompts, completions, labels, truncated,
+        mask = pad_rows(masks or [[1.0] * len(r) for r in response_ids], width)
+        return cls(prompt_ids, response_ids, mask, prompts, completions, labels, truncated, episodes,
                    **{key: pad_rows(rows, width) for key, rows in per_token.items()})
 
     @classmethod
@@ -94,7 +99,8 @@ class Rollout:
     def tokens(self, pad_id: int, packed: bool = False) -> dict:
         """The prompt+response batch a model forward takes (logprobs.pad_prompt_response: right-padded, and `packed`
         into one row too)."""
-        return pad_prompt_response(self.prompt_ids, self.response_ids, pad_id, packed)
+        masks = [self.mask[i, :len(r)].tolist() for i, r in enumerate(self.response_ids)]
+        return pad_prompt_response(self.prompt_ids, self.response_ids, pad_id, packed, masks)
 
     def to_batch(self, values: torch.Tensor, batch_mask: torch.Tensor) -> torch.Tensor:
         """Response-aligned (B, T) values laid into the response positions (batch_mask 1) of a model batch (B, K), on
@@ -112,6 +118,15 @@ class Rollout:
         index = (first + steps).clamp(max=values.shape[1] - 1)
         aligned = torch.where(self.mask.to(values.device).bool(), values.gather(1, index).float(), 0.0)
         return aligned.to(self.mask.device)
+
+    def lengths(self) -> torch.Tensor:
+        """(B,) each row's response length in tokens (an episode's: its replies and the environment's messages)."""
+        return torch.tensor([len(r) for r in self.response_ids], dtype=torch.float32)
+
+    def last_trained(self) -> torch.Tensor:
+        """(B,) each row's last position with mask 1: the last token the policy produced, where the reward sits."""
+        positions = torch.arange(self.mask.shape[1]).expand_as(self.mask)
+        return torch.where(self.mask.bool(), positions, 0).max(-1).values
 
     def micro_batches(self, size: int | None) -> list[Rollout]:
         """The rows in consecutive pieces of at most `size` (None: all at once), for forwards where nothing trains."""
@@ -133,6 +148,45 @@ def generate(roles, prompts: list[dict], n: int, cfg, seed: int, temperature: fl
                       truncated=[s["truncated"] for _, s in samples], rollout_logp=[(s["logprobs"] or [0.0])[:len(r)] for (_, s), r in zip(samples, responses)])
 
 
+def run_episodes(roles, prompts: list[dict], n: int, cfg, seed: int, temperature: float) -> Rollout:
+    """n multi-turn episodes per prompt against the stage's environment (runtime/environments.py), each turn of
+    every live episode generated at once on the vLLM engines."""
+    def sample(contexts, seeds, max_tokens):
+        return [out[0] for out in generate_on(roles.engines, contexts, 1, temperature, cfg.top_p, max_tokens, seed,
+                                              seeds=seeds)]
+    roles.before_generate()
+    done = roles.episodes.run(sample, prompts, n, seed, cfg.max_new_tokens)
+    roles.after_generate()
+    rows = [(prompt, episode, stats) for prompt, (episode, stats) in zip([p for p in prompts for _ in range(n)], done)]
+    # An episode that never got to reply (its reset failed) keeps one untrained position.
+    responses = [e.ids or roles.episodes.format.eot_ids[:1] for _, e, _ in rows]
+    pad = lambda values, e: values if e.ids else [0.0]
+    return Rollout.of([e.prompt_ids for _, e, _ in rows], responses, prompts=[p["prompt"] for p, _, _ in rows],
+                      completions=[e.replies[-1] if e.replies else "" for _, e, _ in rows],
+                      labels=[p.get("label") for p, _, _ in rows], truncated=[e.truncated for _, e, _ in rows],
+                      episodes=[stats for _, _, stats in rows], masks=[pad(e.mask, e) for _, e, _ in rows],
+                      rollout_logp=[pad(e.logprobs, e) for _, e, _ in rows],
+                      env_rewards=[pad(e.rewards, e) for _, e, _ in rows])
+
+
+def roll(roles, prompts: list[dict], n: int, cfg, seed: int, temperature: float) -> Rollout:
+    """The rollout of `prompts`: single replies, or episodes where the stage has an environment."""
+    if roles.episodes is not None:
+        return run_episodes(roles, prompts, n, cfg, seed, temperature)
+    return generate(roles, prompts, n, cfg, seed, temperature)
+
+
+def episode_metrics(rollout: Rollout) -> dict:
+    """The step's episode metrics: means over its episodes."""
+    rows = rollout.episodes
+    mean = lambda key: statistics.fmean(float(bool(r[key]) if key in ("error", "timeout", "success", "drift",
+                                                                      "truncated") else r[key]) for r in rows)
+    return {"episode_turns": mean("turns"), "episode_env_tokens": mean("env_tokens"),
+            "episode_truncated": mean("truncated"), "episode_errors": mean("error"),
+            "episode_timeouts": mean("timeout"), "episode_success": mean("success"),
+            "episode_env_seconds": mean("env_seconds"), "episode_drift": mean("drift")}
+
+
 def informative_groups(scores: list[float], n_samples: int) -> list[int]:
     """DAPO's dynamic sampling (Yu et al. 2025, eq. 11): the prompts (groups of n_samples rows) whose responses did not
     all score the same. A group of equal scores has zero advantage under every group estimator: it teaches nothing."""
@@ -140,9 +194,17 @@ def informative_groups(scores: list[float], n_samples: int) -> list[int]:
 
 
 def score(roles, rollout: Rollout) -> list[float]:
+    """Each row's reward: the reward model's or reward file's score (of an episode's last reply), plus the sum of an
+    episode's step rewards."""
+    scores = [0.0] * len(rollout)
     if roles.reward_model is not None:
-        return [s for part in split_call(roles.reward_model, "scores", rollout) for s in part]
-    return call_reward_fn(roles.reward_fn, roles.reward_file, rollout.prompts, rollout.completions, rollout.labels)
+        scores = [s for part in split_call(roles.reward_model, "scores", rollout) for s in part]
+    elif roles.reward_fn is not None:
+        scores = call_reward_fn(roles.reward_fn, roles.reward_file, rollout.prompts, rollout.completions,
+                                rollout.labels)
+    if rollout.env_rewards is not None:
+        scores = [s + e for s, e in zip(scores, rollout.env_rewards.sum(-1).tolist())]
+    return scores
 
 
 def trains_once(cfg) -> bool:
@@ -177,7 +239,8 @@ def make_experience(roles, cfg, rollout: Rollout, kl_coef: float, reward_stats: 
     scores = torch.tensor(raw)
     metrics = {}
     if cfg.overlong == "penalty":  # DAPO's soft overlong punishment, added to the task's reward
-        penalty = losses.overlong_penalty(rollout.mask.sum(-1), cfg.max_new_tokens, cfg.overlong_buffer)
+        limit = cfg.environment["max_episode_tokens"] if rollout.episodes else cfg.max_new_tokens
+        penalty = losses.overlong_penalty(rollout.lengths(), limit, cfg.overlong_buffer)
         scores = scores + penalty
         metrics["overlong_penalty"] = penalty.mean().item()
     elif cfg.overlong == "mask":  # DAPO's overlong filtering: a cut response says nothing about its reward
@@ -195,8 +258,11 @@ def make_experience(roles, cfg, rollout: Rollout, kl_coef: float, reward_stats: 
     mask = rollout.mask
     kl = losses.kl_estimate(sampled, rollout.ref_logp, cfg.kl_estimator) * mask
     token_rewards = torch.zeros_like(mask)
-    last = mask.sum(-1).long() - 1
-    token_rewards[torch.arange(len(rollout)), last] = scores
+    if rollout.env_rewards is not None and cfg.environment["turn_rewards"]:
+        # each step's reward at its own reply (for gae and reinforce); the rest of the score at the last reply
+        token_rewards = rollout.env_rewards.clone()
+        scores = scores - rollout.env_rewards.sum(-1)
+    token_rewards[torch.arange(len(rollout)), rollout.last_trained()] += scores
     if cfg.kl_in_reward:
         token_rewards = token_rewards - kl_coef * kl
     if roles.critic is not None:
@@ -206,12 +272,14 @@ def make_experience(roles, cfg, rollout: Rollout, kl_coef: float, reward_stats: 
     padding = ~mask.bool()
     rollout.advantages = advantages.float().masked_fill(padding, 0.0)
     rollout.returns = returns.float().masked_fill(padding, 0.0)
-    lengths = mask.sum(-1)
+    lengths = rollout.lengths()
     metrics |= {"reward_mean": statistics.fmean(raw), "truncated": statistics.fmean(map(float, rollout.truncated))
                 if rollout.truncated else 0.0, "reward_std": statistics.pstdev(raw),
                "kl": (kl.sum(-1)).mean().item(), "response_length": lengths.mean().item(),
                "advantage_mean": losses.masked_mean(advantages, mask).item(),
                "advantage_std": advantages[mask.bool()].std().item() if mask.sum() > 1 else 0.0}
+    if rollout.episodes:
+        metrics |= episode_metrics(rollout)
     if not once:  # how far vLLM's sampling log-probs are from the trainer's: near 0 when the weight sync works
         metrics["vllm_logprob_gap"] = losses.masked_mean((rollout.old_logp - rollout.rollout_logp).abs(), mask).item()
     return metrics

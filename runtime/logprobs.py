@@ -10,16 +10,18 @@ Tensor = torch.Tensor
 
 
 def pad_prompt_response(prompts: list[list[int]], responses: list[list[int]], pad_id: int,
-                        packed: bool = False) -> dict:
-    """Right-padded prompt+response ids; `loss_mask` is 1 on response tokens only. `packed`: the same batch also as
+                        packed: bool = False, masks: list[list[float]] | None = None) -> dict:
+    """Right-padded prompt+response ids; `loss_mask` is 1 on response tokens only (`masks`: on those a row's mask
+    marks, e.g. an episode's replies, not the environment's messages between them). `packed`: the same batch also as
     one row without padding (`packed_ids`, `position_ids`), which response_logits then runs instead."""
     ids = [p + r for p, r in zip(prompts, responses)]
     width = max(map(len, ids))
+    masks = masks or [[1] * len(r) for r in responses]
     batch = {
         "input_ids": torch.tensor([x + [pad_id] * (width - len(x)) for x in ids]),
         "attention_mask": torch.tensor([[1] * len(x) + [0] * (width - len(x)) for x in ids]),
-        "loss_mask": torch.tensor([[0] * len(p) + [1] * len(r) + [0] * (width - len(p) - len(r))
-                                   for p, r in zip(prompts, responses)], dtype=torch.float32),
+        "loss_mask": torch.tensor([[0] * len(p) + list(m) + [0] * (width - len(p) - len(m))
+                                   for p, m in zip(prompts, masks)], dtype=torch.float32),
     }
     if packed:
         batch["packed_ids"] = torch.tensor([[token for x in ids for token in x]])

@@ -107,6 +107,12 @@ def end_of_turn(tokenizer) -> str:
     return max(special, key=len) if special else (after or tokenizer.eos_token)
 
 
+def model_positions(model_dir) -> int | None:
+    """The positions a model's config gives it (None where it says nothing)."""
+    hf_config = json.loads((Path(model_dir) / "config.json").read_text())
+    return hf_config.get("max_position_embeddings") or hf_config.get("n_positions")
+
+
 def model_dtype(precision: str) -> str:
     """The torch dtype name a stage's models load in: `precision` auto is bf16 on GPUs and fp32 on CPU."""
     import torch

@@ -11,6 +11,7 @@ import torch
 from runtime import losses, trainer, weight_sync
 from runtime.actor_group import (ActorGroup, actor_threads, bundles, check_gpus_shareable, cluster_gpus,
                                  reserve)
+from runtime.environments import EpisodeRunner
 from runtime.deepspeed_strategy import DeepSpeedWorker, Rank, inference_ds_config
 from runtime.experience import Rollout
 from runtime.logprobs import (entropy_from_logits, forward_tokens, on_device, response_logits, response_logprobs,
@@ -231,8 +232,10 @@ class Roles:
         frozen = lambda model_dir, kind: self._frozen(cfg, model_dir, kind, role_threads, cpus, gpu, shared, tracker)
         self.reference = frozen(policy_dir, "policy")
         self.reward_model = frozen(str(inputs["reward_model"]), "reward") if wants_reward else None
-        self.reward_file = None if wants_reward else inputs["reward_file"]
+        self.reward_file = None if wants_reward else inputs.get("reward_file")  # (none: an environment's rewards only)
         self.reward_fn = self.reward_file and load_reward_fn(self.reward_file)
+        self.episodes = EpisodeRunner(cfg.environment, inputs["environment_file"], load_tokenizer(policy_dir),
+                                      max_len) if cfg.environment else None
         if self.gpus:
             # Started, not just created: vLLM measures the GPU memory it may take while it starts, so the trainers'
             # states must not leave the GPUs meanwhile (the held-out reward's before_generate offloads them).

@@ -117,12 +117,15 @@ def start_engines(model_dir: str, seed: int, max_model_len: int, vllm: dict, num
 
 
 def generate_on(engines: list, prompt_token_ids: list[list[int]], n: int, temperature: float, top_p: float,
-                max_new_tokens: int, seed: int, ignore_eos: bool = False) -> list[list[dict]]:
+                max_new_tokens: int | list[int], seed: int, ignore_eos: bool = False,
+                seeds: list[int] | None = None) -> list[list[dict]]:
     """`VLLMEngine.generate` over several engines: each takes a contiguous share of the prompts and seeds request i
-    of the whole call with seed + i, as one engine would."""
+    of the whole call with seed + i (or seeds[i]), as one engine would."""
     size = -(-len(prompt_token_ids) // len(engines))
+    part = lambda values, start: values[start:start + size] if isinstance(values, list) else values
     shares = [(start, prompt_token_ids[start:start + size]) for start in range(0, len(prompt_token_ids), size)]
-    outputs = ray.get([engine.generate.remote(ids, n, temperature, top_p, max_new_tokens, seed + start, ignore_eos)
+    outputs = ray.get([engine.generate.remote(ids, n, temperature, top_p, part(max_new_tokens, start), seed + start,
+                                              ignore_eos, part(seeds, start))
                        for engine, (start, ids) in zip(engines, shares)])
     return [sample for part in outputs for sample in part]
 
@@ -149,13 +152,17 @@ class VLLMEngine:
         return LLM(model=model_dir, **self.options)
 
     def generate(self, prompt_token_ids: list[list[int]], n: int, temperature: float, top_p: float,
-                 max_new_tokens: int, seed: int, ignore_eos: bool = False) -> list[list[dict]]:
+                 max_new_tokens: int | list[int], seed: int, ignore_eos: bool = False,
+                 seeds: list[int] | None = None) -> list[list[dict]]:
         """Samples per prompt: [[{"token_ids", "text", "logprobs", "truncated"} x n] x prompts], logprobs being
         vLLM's log-probability of each sampled token under the distribution it was drawn from (tempered), truncated
         whether max_new_tokens cut the response before its end of turn; request i is seeded with seed + i, so results
-        do not depend on batching. `ignore_eos`: every response runs to max_new_tokens (benchmarks)."""
+        do not depend on batching. `ignore_eos`: every response runs to max_new_tokens (benchmarks). Per request
+        where given as lists: `max_new_tokens`, and `seeds` instead of seed + i (an episode's turns: runtime/environments)."""
         from vllm import SamplingParams, TokensPrompt
-        params = [SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=max_new_tokens, seed=seed + i,
+        limit = lambda i: max_new_tokens[i] if isinstance(max_new_tokens, list) else max_new_tokens
+        params = [SamplingParams(n=n, temperature=temperature, top_p=top_p, max_tokens=limit(i),
+                                 seed=seeds[i] if seeds else seed + i,
                                  logprobs=0, ignore_eos=ignore_eos,
                                  stop_token_ids=[] if ignore_eos else self.stop_token_ids)
                   for i in range(len(prompt_token_ids))]

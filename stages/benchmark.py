@@ -30,7 +30,7 @@ from runtime.answer_scoring import (MathVerifier, majority_at_k, normalise_answe
                                     score_regex)
 from runtime.builtin_data import arithmetic_rows
 from runtime.logprobs import pad_prompt_response, response_logits, token_logprobs
-from runtime.models import load_tokenizer
+from runtime.models import load_tokenizer, model_positions
 from runtime.rewards import RewardFileError, call_reward_fn, load_reward_fn
 from runtime.rollout import generate_on, sampling_seed, start_engines
 from runtime.user_data import is_builtin, load_records, repo_path
@@ -170,11 +170,6 @@ class Models:
     def close(self) -> None:
         self.close_engines()
         self.close_scorer()
-
-
-def model_positions(model_dir: str) -> int | None:
-    hf_config = json.loads((Path(model_dir) / "config.json").read_text())
-    return hf_config.get("max_position_embeddings") or hf_config.get("n_positions")
 
 
 def check_fits(cfg: Config, prompt_ids: list[list[int]], model_dir: str) -> int:

@@ -33,6 +33,7 @@ import torch
 
 from runtime import data
 from runtime.actor_group import actor_threads, check_gpus_shareable, cluster_gpus
+from runtime.environments import EpisodeRunner, context_length
 from runtime.logprobs import (LOGITS_CHUNK_BYTES, logit_chunks, on_device, pad_prompt_response, response_logits,
                               token_logprobs)
 from runtime.models import load_causal_lm, load_reward_model, load_tokenizer, model_dtype, release_cached_memory
@@ -59,12 +60,13 @@ class Config:
     rewards: list
     vllm: dict  # the schema's evaluate.vllm: engines and their GPUs
     seed: int
+    environment: dict | None = None  # the experiment's environment block: its episodes are evaluated
 
     @classmethod
     def from_params(cls, params: dict) -> "Config":
-        keys = {f.name for f in dataclasses.fields(cls)}
+        keys = {f.name for f in dataclasses.fields(cls)} - {"environment"}
         return cls(**{k: v for k, v in params["evaluate"].items() if k in keys}, model=params["model"],
-                   seed=params["seed"])
+                   seed=params["seed"], environment=params["evaluate"].get("environment"))
 
 
 def token_kl(logits: torch.Tensor, ref_logits: torch.Tensor, max_bytes: int = LOGITS_CHUNK_BYTES) -> torch.Tensor:
@@ -143,12 +145,14 @@ class Scorer:
         return scores
 
     @torch.no_grad()
-    def sequence_logprobs(self, prompts: list[list[int]], responses: list[list[int]], with_reference: bool):
+    def sequence_logprobs(self, prompts: list[list[int]], responses: list[list[int]], with_reference: bool,
+                          masks: list[list[float]] | None = None):
         """Per sequence: summed log-prob under the model, summed per-token KL to the reference (0 without
-        it), and the token count."""
+        it), and the token count; `masks`: over the tokens they mark (an episode's replies)."""
         out = []
         for i in range(0, len(prompts), SCORE_BATCH):
-            batch = pad_prompt_response(prompts[i:i + SCORE_BATCH], responses[i:i + SCORE_BATCH], self.pad_id)
+            batch = pad_prompt_response(prompts[i:i + SCORE_BATCH], responses[i:i + SCORE_BATCH], self.pad_id,
+                                        masks=masks and masks[i:i + SCORE_BATCH])
             logits, labels, mask = response_logits(self.model, batch)
             logp = token_logprobs(logits, labels) * mask
             kl = torch.zeros_like(mask)
@@ -179,6 +183,19 @@ def stop_engines(engines: list) -> None:
             ray.util.remove_placement_group(group)
 
 
+def sample_or_play(generate, runner, rows: list[dict], prompt_ids: list[list[int]], sampling: tuple) -> list:
+    """One sample per prompt, [[{"token_ids", "text", ...}]]: a reply, or with an environment (`runner`) an episode,
+    its text the last reply, with its own prompt ids, loss mask (its replies) and stats."""
+    if runner is None:
+        return generate(prompt_ids)
+    play = lambda contexts, seeds, max_tokens: [s[0] for s in generate(contexts, seeds, max_tokens)]
+    episodes = runner.run(play, [r | {"prompt_ids": ids} for r, ids in zip(rows, prompt_ids)], 1, sampling[4],
+                          sampling[3])
+    return [[{"token_ids": e.ids or runner.format.eot_ids[:1], "mask": e.mask if e.ids else [0.0],
+              "prompt_ids": e.prompt_ids, "text": e.replies[-1] if e.replies else "", "episode": stats}]
+            for e, stats in episodes]
+
+
 def node_gpus() -> int:
     """The GPUs of the stage's largest node: all that one process, the scorer, can spread its models over."""
     return int(max((node["Resources"].get("GPU", 0) for node in ray.nodes() if node["Alive"]), default=0))
@@ -190,7 +207,9 @@ def run(cfg: Config, inputs: dict, output: Path, tracker) -> None:
     prompt_ids = [tokenizer(r["prompt"], add_special_tokens=False)["input_ids"] for r in rows]
     on_ray = ray.is_initialized()
     threads = max(1, int(ray.available_resources().get("CPU", 1)) if on_ray else len(os.sched_getaffinity(0)))
-    max_len = max(map(len, prompt_ids)) + cfg.max_new_tokens + 8
+    max_len = context_length(max(map(len, prompt_ids)), cfg.max_new_tokens, cfg.environment,
+                             inputs["model"])
+    runner = cfg.environment and EpisodeRunner(cfg.environment, inputs["environment_file"], tokenizer, max_len)
     reward_fns = {reward: load_reward_fn(repo_path(reward)) for reward in cfg.rewards if reward != "model"}
 
     print(f"[evaluate] {cfg.model}: generating {len(rows)} prompts x {cfg.max_new_tokens} tokens with vLLM", flush=True)
@@ -207,18 +226,24 @@ def run(cfg: Config, inputs: dict, output: Path, tracker) -> None:
         # On CPU the scorer's process starts while the engines generate (it loads no model until `hold`); on GPUs it
         # waits for the engines' GPUs.
         scorer = None if gpus else new_scorer()
-        samples = generate_on(engines, prompt_ids, *sampling)
+        generate = lambda ids, seeds=None, max_tokens=None: generate_on(
+            engines, ids, *sampling[:3], max_tokens or sampling[3], sampling[4], seeds=seeds)
+        samples = sample_or_play(generate, runner, rows, prompt_ids, sampling)
         stop_engines(engines)  # their GPUs, KV caches and cores go to the scorer
         scorer = scorer or new_scorer()
         call = lambda method, *args, **kwargs: ray.get(getattr(scorer, method).remote(*args, **kwargs))
     else:  # one engine gives the samples of several (each request keeps its own seed: runtime/rollout.py)
         engine = Engine(str(inputs["model"]), cfg.seed, max_len, cfg.vllm, threads)
-        samples = engine.generate(prompt_ids, *sampling)
+        generate = lambda ids, seeds=None, max_tokens=None: engine.generate(
+            ids, *sampling[:3], max_tokens or sampling[3], sampling[4], seeds=seeds)
+        samples = sample_or_play(generate, runner, rows, prompt_ids, sampling)
         del engine  # its KV cache, before the scorer's models load
         scorer = Scorer(tokenizer.pad_token_id, threads)
         call = lambda method, *args, **kwargs: getattr(scorer, method)(*args, **kwargs)
     completions = [s[0] for s in samples]
     texts = [c["text"] for c in completions]
+    prompt_ids = [c.get("prompt_ids", ids) for c, ids in zip(completions, prompt_ids)]  # (an episode's own)
+    masks = [c["mask"] for c in completions] if runner else None
     scores = {}
     for reward in cfg.rewards:
         if reward == "model":
@@ -231,7 +256,7 @@ def run(cfg: Config, inputs: dict, output: Path, tracker) -> None:
 
     print(f"[evaluate] {cfg.model}: scoring KL to the reference and perplexity", flush=True)
     call("hold", model_dir=str(inputs["model"]), reference_dir=str(inputs["reference"]))
-    logps = call("sequence_logprobs", prompt_ids, [c["token_ids"] for c in completions], True)
+    logps = call("sequence_logprobs", prompt_ids, [c["token_ids"] for c in completions], True, masks)
     references = None  # perplexity of the held-out SFT responses, where the experiment has an SFT dataset
     if "sft_data" in inputs:
         held_out = data.read_jsonl(inputs["sft_data"] / "sft_eval.jsonl")
@@ -254,6 +279,13 @@ def run(cfg: Config, inputs: dict, output: Path, tracker) -> None:
         "response_length": statistics.fmean(len(c["token_ids"]) for c in completions),
         "num_prompts": len(rows),
     }
+    if runner:  # the episodes' success rate, reward (the sum of their step rewards), turns and what went wrong
+        stats = [c["episode"] for c in completions]
+        mean = lambda key: statistics.fmean(float(s[key] or 0) for s in stats)
+        metrics |= {"env_success": mean("success"), "env_reward": mean("reward"), "env_turns": mean("turns"),
+                    "env_tokens": mean("env_tokens"), "env_truncated": mean("truncated"),
+                    "env_errors": statistics.fmean(float(s["error"] is not None) for s in stats),
+                    "env_timeouts": mean("timeout"), "env_seconds": mean("env_seconds"), "env_drift": mean("drift")}
     if references is not None:
         nll = -sum(lp for lp, _, _ in references) / sum(n for _, _, n in references)
         metrics["perplexity"] = float(torch.tensor(nll).exp())
@@ -261,6 +293,8 @@ def run(cfg: Config, inputs: dict, output: Path, tracker) -> None:
     data.write_jsonl(output / "samples.jsonl", [
         {"input": r["input"], "label": r["label"], "completion": t, "reward": main[i] if main else None,
          "rewards": {name: values[i] for name, values in scores.items()}}
+        | ({"episode": tokenizer.decode(prompt_ids[i] + completions[i]["token_ids"]), "stats": completions[i]["episode"]}
+           if runner else {})
         for i, (r, t) in enumerate(list(zip(rows, texts))[:cfg.num_samples_logged])])
     tracker.log_metrics(metrics)
     tracker.log_artifact(output / "metrics.json")

@@ -53,8 +53,11 @@ class Config:
                    data=params["data"], stages=params["stages"], given=params["given"], variants=params["variants"])
 
 
-def describe_reward(reward: str) -> str:
-    """`model`, or a reward file's path with the first line of its docstring."""
+def describe_reward(reward: str | None) -> str:
+    """`model`, or a reward file's path with the first line of its docstring; None (an rl variant's reward with an
+    environment): the environment's step rewards."""
+    if reward is None:
+        return "the environment's step rewards"
     if reward == "model":
         return "the reward model's score"
     doc = ast.get_docstring(ast.parse(repo_path(reward).read_text())) or ""
@@ -71,7 +74,7 @@ def describe_experiment(cfg: Config) -> str:
             return f"given (`{cfg.given[name]}`, not trained)"
         return trained if cfg.stages[name] else absent
 
-    variants = ", ".join(f"{name} ({settings['estimator']}, reward {settings['reward']})"
+    variants = ", ".join(f"{name} ({settings['estimator']}, reward {settings['reward'] or 'of the environment'})"
                          for name, settings in cfg.variants.items())
     template = "go through the model's chat template" if data["apply_chat_template"] \
         else f"follow the template {data['input_template']!r}"
@@ -138,7 +141,8 @@ def run(cfg: Config, inputs: dict, output: Path, tracker) -> None:
                                                    "variants": list(cfg.variants)}, sort_keys=True)})
     sources, tables_written = {}, []
 
-    eval_columns = [c for c in tables.eval_columns([reward_name(r) for r in cfg.rewards])
+    episodes = bool(evaluations) and all("env_success" in r["metrics"] for r in evaluations)
+    eval_columns = [c for c in tables.eval_columns([reward_name(r) for r in cfg.rewards], episodes)
                     if all(c[0] in r["metrics"] for r in evaluations)]  # (no perplexity without SFT data)
     eval_rows = tables.summarise(evaluations, [key for key, _, _ in eval_columns])
     rl_rows = tables.summarise(rl_runs, [key for key, _, _ in tables.RL_COLUMNS])

@@ -33,7 +33,8 @@ import ray
 
 from runtime import checkpoints, data, trainer
 from runtime.actor_group import ActorGroup
-from runtime.experience import Rollout, generate, informative_groups, make_experience, score
+from runtime.environments import context_length
+from runtime.experience import Rollout, episode_metrics, informative_groups, make_experience, roll, score
 from runtime.models import load_tokenizer
 from runtime.progress import Progress, beat
 from runtime.rl_actors import Roles
@@ -76,13 +77,14 @@ class Config(trainer.TrainerConfig):
     normalize_reward: bool
     reward_clip: float | None
     is_cap: float | None
-    reward: str
+    reward: str | None  # model, a reward file, or None (an environment's rewards only)
     colocate: bool
     eval_prompts: int
     eval_every: int
     keep: str  # last or best: which step's policy is the stage's output
     frozen_ranks: int
     vllm: dict  # the schema's rl.vllm: engines, tensor parallelism, memory, sleep
+    environment: dict | None = None  # the experiment's environment block: multi-turn episodes (runtime/environments.py)
 
     @classmethod
     def from_params(cls, params: dict) -> "Config":
@@ -117,7 +119,7 @@ def sample_step(roles, cfg: Config, batch: list[dict], draw, seed: int) -> tuple
     dynamic_sampling (DAPO), groups whose responses all scored the same are set aside and `draw(k)` gives k more
     prompts, for up to max_generation_rounds rounds; if the informative groups are still too few, set-aside groups
     fill the batch (their advantage is 0: they change nothing)."""
-    rollout = generate(roles, batch, cfg.n_samples, cfg, seed, cfg.temperature)
+    rollout = roll(roles, batch, cfg.n_samples, cfg, seed, cfg.temperature)
     if not cfg.dynamic_sampling:
         return rollout, None, batch, {}  # (scored in make_experience)
     raw = score(roles, rollout)
@@ -130,7 +132,7 @@ def sample_step(roles, cfg: Config, batch: list[dict], draw, seed: int) -> tuple
         if len(kept) >= cfg.rollout_batch_size or rounds == cfg.max_generation_rounds:
             break
         batch = draw(cfg.rollout_batch_size - len(kept))
-        rollout = generate(roles, batch, n, cfg, seed + 1_000_003 * rounds, cfg.temperature)
+        rollout = roll(roles, batch, n, cfg, seed + 1_000_003 * rounds, cfg.temperature)
         raw = score(roles, rollout)
     chosen = (kept + spare)[:cfg.rollout_batch_size]
     stats = {"groups_informative": min(len(kept), cfg.rollout_batch_size), "groups_set_aside": len(spare),
@@ -157,10 +159,15 @@ def adapt_kl(kl_coef: float, kl: float, cfg: Config) -> float:
     return kl_coef * (1 + error * cfg.rollout_batch_size * cfg.n_samples / 10000)
 
 
-def held_out_reward(roles: Roles, cfg: Config, prompts: list[dict]) -> float:
-    """Mean RL reward of n_samples responses to each held-out prompt (same seeds before and after training)."""
-    rollout = generate(roles, prompts, cfg.n_samples, cfg, sampling_seed(cfg.seed, "held-out"), cfg.temperature)
-    return statistics.fmean(score(roles, rollout))
+def held_out_reward(roles: Roles, cfg: Config, prompts: list[dict]) -> dict:
+    """Mean RL reward of n_samples responses (or episodes) to each held-out prompt, the same seeds before and after
+    training: eval_reward, and for episodes their success rate and turns (eval_success, eval_turns)."""
+    rollout = roll(roles, prompts, cfg.n_samples, cfg, sampling_seed(cfg.seed, "held-out"), cfg.temperature)
+    metrics = {"eval_reward": statistics.fmean(score(roles, rollout))}
+    if rollout.episodes:
+        episodes = episode_metrics(rollout)
+        metrics |= {"eval_success": episodes["episode_success"], "eval_turns": episodes["episode_turns"]}
+    return metrics
 
 
 def best_of(evals: list) -> tuple[int, float]:
@@ -192,7 +199,8 @@ def run(cfg: Config, inputs: dict, output: Path, tracker) -> None:
     if cfg.reward == "model":
         rm = json.loads((inputs["reward_model"] / "metrics.json").read_text())
         reward_stats = {"mean": rm["reward_mean"], "std": rm["reward_std"]}
-    max_len = max(len(p["prompt_ids"]) for p in prompts + eval_prompts) + cfg.max_new_tokens + 8
+    max_len = context_length(max(len(p["prompt_ids"]) for p in prompts + eval_prompts), cfg.max_new_tokens,
+                             cfg.environment, inputs["model"])
     threads = max(1, int(ray.cluster_resources().get("CPU", 1)))
     roles = Roles(cfg, inputs, cfg.steps * rows_per_step // cfg.batch_size * cfg.ppo_epochs, threads, max_len, tracker)
     beat(f"rl/{cfg.name}: its actors and engines started")
@@ -207,9 +215,10 @@ def run(cfg: Config, inputs: dict, output: Path, tracker) -> None:
     def validate(s: int) -> None:
         """Score the held-out prompts with the policy after s steps; save it if it is the best yet (keep: best; the
         final policy goes to the output at the end)."""
-        reward = held_out_reward(roles, cfg, eval_prompts)
+        held_out = held_out_reward(roles, cfg, eval_prompts)
+        reward = held_out["eval_reward"]
         evals.append([s, reward])
-        tracker.log_metrics({"eval_reward": reward}, step=s)
+        tracker.log_metrics(held_out, step=s)
         best_step, best_reward = best_of(evals)
         print(f"[rl/{cfg.name}] step {s}/{cfg.steps} held-out reward {reward:.4f} (best {best_reward:.4f} at step "
               f"{best_step})", flush=True)

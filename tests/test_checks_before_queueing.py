@@ -137,6 +137,57 @@ def test_reward_files_are_imported_and_checked(tmp_path, reward, fragment):
     assert fragment in output, output[-3000:]
 
 
+ENVIRONMENT = ("class Environment:\n    def reset(self, prompt, label, seed):\n        return prompt\n"
+               "    def step(self, reply):\n        return 'done', 1.0, True\n")
+
+
+@pytest.mark.parametrize("environment, fragment", [
+    ("missing.py", "no such file"),
+    ("environment.txt", "is not a Python file (.py)"),
+    ("no_class.py", "must define class Environment"),
+    ("no_step.py", "Environment has no method step"),
+    ("signature.py", "cannot be called as reset(prompt, label, seed)"),
+    ("fails.py", "fails to import: ZeroDivisionError"),
+    ("exits.py", "the process exited with status 3 before class Environment was checked"),
+])
+def test_environment_files_are_imported_and_checked(tmp_path, environment, fragment):
+    """environment.path is loaded as the rl and evaluate stages load it (runtime/environments.load_environment), in
+    a child process, before anything is queued; the refusal names the key and the file."""
+    files = tmp_path / "environments"
+    files.mkdir()
+    (files / "environment.txt").write_text(ENVIRONMENT)
+    (files / "no_class.py").write_text("class Env:\n    pass\n")
+    (files / "no_step.py").write_text("class Environment:\n    def reset(self, prompt, label, seed):\n        pass\n")
+    (files / "signature.py").write_text(ENVIRONMENT.replace("reset(self, prompt, label, seed)", "reset(self)"))
+    (files / "fails.py").write_text("1 / 0\n" + ENVIRONMENT)
+    (files / "exits.py").write_text("import sys\nsys.exit(3)\n")
+    output = refused(tmp_path, environment={"path": str(files / environment)},
+                     rl={"variants": {"grpo": {"reward": None}}})
+    assert f"environment.path: {files / environment}" in output, output[-3000:]
+    assert fragment in output, output[-3000:]
+
+
+def test_an_environment_is_an_input_of_rl_and_evaluate(tmp_path):
+    """The environment file is an input of every rl and evaluate job (a changed file reruns them); a variant whose
+    reward is null reads no reward file and needs no reward model."""
+    results = tmp_path / "results"
+    environment = tmp_path / "game.py"
+    environment.write_text(ENVIRONMENT)
+    configfile = write_config(tmp_path / "env.yaml", results, environment={"path": str(environment)},
+                              rl={"reward": None, "variants": {"grpo": {"estimator": "group_norm"}}},
+                              evaluate={"models": ["base", "sft", "grpo"], "rewards": ["config/rewards/sentiment.py"]},
+                              dpo=None)
+    proc = snakemake(configfile, "all", "--dry-run", "--config", f"results_dir={results}", "--printshellcmds")
+    jobs = planned_jobs(proc.stdout)
+    assert "reward_model" not in jobs and jobs["rl"] == 2 and jobs["evaluate"] == 4, proc.stdout[-3000:]
+    inputs = {rule: [m.group(1) for m in re.finditer(rf"^rule {rule}:\n\s+input: (.*)$", proc.stdout, re.M)]
+              for rule in ("rl", "evaluate", "benchmark")}
+    assert len(inputs["rl"]) == 2 and len(inputs["evaluate"]) == 4, proc.stdout[-3000:]
+    assert all(str(environment) in line for line in inputs["rl"] + inputs["evaluate"])
+    assert not any("vowel_fraction" in line for line in inputs["rl"])
+    assert not results.exists()
+
+
 def test_two_reward_files_of_one_name_are_refused(tmp_path):
     """Each reward is a column of the results, named after its file: two files named alike would share one."""
     other = tmp_path / "rw" / "sentiment.py"

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from launcher.config import REPO_ROOT, ConfigError, check_dag_data, load_config_files, stage_jobs, validate_config
+from launcher.config import (REPO_ROOT, ConfigError, benchmark_params, check_dag_data, dag_stages, evaluate_params,
+                             load_config_files, rl_variant, stage_jobs, validate_config)
 
 GRPO = {"grpo": {"estimator": "group_norm"}}  # an rl variant: the schema's defaults have none (no RL)
 IMDB = {"path": "builtin:imdb"}  # one dataset's block; within one config each role gets its own copy (dict(IMDB)):
@@ -56,6 +57,16 @@ def test_shipped_configs_are_valid():
     ({"dpo": {"lora_rank": 8, "lora_targets": ["q_proj", "qkv"]}}, ["dpo.lora_targets", "qkv", "v_proj"]),
     ({"rl": {"variants": {"grpo": {"top_p": 0.9}}}}, ["rl.variants.grpo: top_p = 0.9", "whole vocabulary",
                                                       "set top_p: 1.0"]),
+    # a reward of null (the environment's step rewards alone) needs an environment
+    ({"rl": {"reward": None, "variants": GRPO}}, ["rl.reward = null", "needs an `environment` block",
+                                                  "give model or a Python file"]),
+    ({"rl": {"variants": {"grpo": {"reward": None}}}}, ["rl.variants.grpo.reward = null", "`environment` block"]),
+    ({"environment": {"max_turns": 2}}, ["environment", "'path' is a required property"]),
+    ({"environment": {"path": "env.py", "max_turns": 0}}, ["environment.max_turns", "out of range"]),
+    ({"environment": {"path": "env.py", "timeout": 0}}, ["environment.timeout", "out of range"]),
+    ({"environment": {"path": "env.py", "isolation": "fork"}}, ["environment.isolation", "['thread', 'process']"]),
+    ({"environment": {"path": "env.py", "on_error": "retry"}}, ["environment.on_error", "['end', 'observe']"]),
+    ({"environment": {"path": "env.py", "turns": 2}}, ["unknown key environment.turns", "max_turns"]),
 ])
 def test_bad_config_names_key_and_valid_values(raw, expected):
     with pytest.raises(ConfigError) as err:
@@ -343,3 +354,38 @@ def test_a_reward_file_is_imported_once_per_dry_run(tmp_path):
                               evaluate={"rewards": [path]})
     snakemake(configfile, "all", "--dry-run")
     assert imports.read_text() == "x"
+
+
+ENVIRONMENT_DEFAULTS = {"max_turns": 4, "max_episode_tokens": 512, "max_env_tokens": 256, "timeout": 30,
+                        "isolation": "thread", "concurrency": 32, "on_error": "end", "turn_rewards": False}
+
+
+def test_an_environment_block_gets_its_defaults_and_reaches_rl_and_evaluate_only():
+    """`environment` is null by default; a block with its path gets every other key's default, and is part of each
+    rl variant's and each evaluation's params (their cache keys), never a benchmark's. A reward of null with it: no
+    reward model, no reward file, no column of the evaluation."""
+    config = validate_config({})
+    assert config["environment"] is None
+    assert rl_variant(validate_config({"rl": {"variants": GRPO}}), "grpo")["environment"] is None
+    assert evaluate_params(config)["environment"] is None
+    config = validate_config({"environment": {"path": "envs/game.py", "max_turns": 2},
+                              "rl": {"variants": {"grpo": {"reward": None}, "ppo": {"estimator": "gae"}}},
+                              "benchmarks": {"math": {"path": "builtin:arithmetic"}}})
+    environment = {"path": "envs/game.py", **ENVIRONMENT_DEFAULTS, "max_turns": 2}
+    assert config["environment"] == environment
+    assert rl_variant(config, "grpo")["environment"] == environment and rl_variant(config, "grpo")["reward"] is None
+    assert rl_variant(config, "ppo")["environment"] == environment and rl_variant(config, "ppo")["reward"] == "model"
+    assert evaluate_params(config)["environment"] == environment
+    assert "environment" not in json.dumps(benchmark_params(config, "math", "base", 0))
+    assert config["evaluate"]["rewards"] == ["model"]  # (grpo's null is no column)
+    assert dag_stages(config)["reward_model"]  # (ppo's reward is model)
+    jobs = {run: params for _, run, params in stage_jobs(config)}
+    assert jobs["rl/grpo/seed1234"]["rl"]["environment"] == environment
+    assert jobs["evaluate/grpo/seed1234"]["evaluate"]["environment"] == environment
+    assert "environment" not in json.dumps(jobs["benchmark/math/grpo/seed1234"])
+    assert all(v["environment"] == environment for v in jobs["report"]["variants"].values())
+    # the environment's rewards alone: no reward model in the DAG, no rewards evaluated
+    config = validate_config({"environment": {"path": "envs/game.py"}, "rl": {"reward": None, "variants": GRPO}})
+    assert not dag_stages(config)["reward_model"] and config["evaluate"]["rewards"] == []
+    from launcher.memory import check_memory
+    check_memory(config, "c.yaml", lambda rule: {})  # (the memory plan reads reward null as no reward model)

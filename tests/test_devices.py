@@ -241,12 +241,13 @@ def test_sleeping_engines_generate_with_the_weights_last_sent(ray_with_gpus):
     roles.sleeps, roles.engines_asleep, roles.engines, roles.weight_mode = True, set(), engines, "ipc"
     roles.policy, roles.trainers, roles.reward_model, roles.reward_file = policy, {"policy": policy}, None, "equal.py"
     roles.reward_fn = lambda prompts, completions, labels: [1.0] * len(completions)  # every group uninformative
+    roles.episodes = None
     cfg = stage_config(rl, {"rl": {"n_samples": 2, "rollout_batch_size": 2, "batch_size": 4, "micro_batch_size": 2,
                                    "dynamic_sampling": True,
                                    "max_generation_rounds": 2}})
     prompts = [{"id": i, "prompt": f"p{i}", "prompt_ids": [3, 4 + i]} for i in range(4)]
 
-    assert rl.held_out_reward(roles, cfg, prompts) == 1.0
+    assert rl.held_out_reward(roles, cfg, prompts) == {"eval_reward": 1.0}
     rollout, _, _, counts = rl.sample_step(roles, cfg, prompts[:2], lambda k: prompts[:k], seed=0)
     assert counts["generation_rounds"] == 2 and len(rollout) == 4
     policy.version = 1  # trained

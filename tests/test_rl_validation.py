@@ -83,7 +83,7 @@ def driver(tmp_path, monkeypatch):
     monkeypatch.setattr(rl, "sample_step", lambda roles, cfg, batch, draw, seed: (None, None, batch, {}))
     monkeypatch.setattr(rl, "make_experience", lambda *args: {"kl": 0.0, "reward_mean": 0.0})
     monkeypatch.setattr(rl, "train_on", lambda group, cfg, rollout, rng: group.train())
-    monkeypatch.setattr(rl, "held_out_reward", lambda roles, cfg, prompts: REWARD[roles.policy.version])
+    monkeypatch.setattr(rl, "held_out_reward", lambda roles, cfg, prompts: {"eval_reward": REWARD[roles.policy.version]})
 
     def run(cfg, tracker, crash_at=None):
         policies.append(Policy(crash_at))

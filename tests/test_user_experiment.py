@@ -459,10 +459,24 @@ def rl_only_experiment(root: Path) -> dict:
             "model_dir": model_dir, "benchmark_files": files}
 
 
+def agent_experiment(root: Path) -> dict:
+    """config/agent-calculator.yaml (multi-turn episodes with a calculator tool) on the tiny random model, 4 steps,
+    with a final reward file beside the environment's step rewards: a random model never answers right, and the
+    vowel fraction of its last reply gives GRPO's groups something to tell apart (tests/test_agent_rl.py)."""
+    overrides = {"model": {"source": "tiny", "tiny": {"hidden_size": 64, "num_layers": 2, "num_heads": 2,
+                                                       "vocab_size": 512}},
+                 "data": {"prompts": {"max_samples": 64}, "eval": {"max_samples": 16}},
+                 "rl": {"steps": 4, "eval_prompts": 8, "eval_every": 2, "rollout_batch_size": 4, "batch_size": 16,
+                        "micro_batch_size": 8, "learning_rate": 1.0e-3, "reward": "config/rewards/vowel_fraction.py"},
+                 "evaluate": {"num_prompts": 16}}
+    return {"root": root, "configfile": shipped_config("agent-calculator", root, **overrides), "overrides": overrides}
+
+
 # The runs UserRuns makes, in this order: (how, its temporary directory, its experiment's name and directory).
 USER_RUNS = {"qwen2_run": (qwen2_experiment, "qwen2", "user-qwen2"), "given_run": (given_experiment, "given", "user-given"),
              "gpt2_run": (gpt2_experiment, "gpt2", "user-gpt2"),
-             "rl_only_run": (rl_only_experiment, "rl-only", "rl-verifiable-reward")}
+             "rl_only_run": (rl_only_experiment, "rl-only", "rl-verifiable-reward"),
+             "agent_run": (agent_experiment, "agent", "agent-calculator")}
 
 
 @pytest.fixture(scope="module")

@@ -104,17 +104,28 @@ def given_model(stage):
     return lambda wildcards: {"given": config[stage]["from"]} if config[stage]["from"] else {}
 
 
+def environment_input():
+    """The environment file (environment.path) as the input `environment_file`, where the config gives one: a changed
+    file reruns rl and evaluate."""
+    return {"environment_file": config["environment"]["path"]} if config["environment"] else {}
+
+
 def evaluate_inputs(wildcards):
-    """The reward model and reward files evaluate.rewards names, and the SFT held-out rows (perplexity) if any."""
+    """The reward model and reward files evaluate.rewards names, the SFT held-out rows (perplexity) if any, and the
+    environment file if any."""
     rewards = config["evaluate"]["rewards"]
     return ({"reward_model": rules.reward_model.output[0]} if "model" in rewards else {}) | \
         {"reward_files": [r for r in rewards if r != "model"]} | \
-        ({"sft_data": preprocessed("sft")} if "sft" in STAGES["datasets"] else {})
+        ({"sft_data": preprocessed("sft")} if "sft" in STAGES["datasets"] else {}) | environment_input()
 
 
 def rl_reward_inputs(wildcards):
+    """The variant's reward (the reward model, or its reward file; none for reward null: the environment's step
+    rewards alone) and the environment file if any."""
     reward = rl_variant(config, wildcards.variant)["reward"]
-    return {"reward_model": rules.reward_model.output[0]} if reward == "model" else {"reward_file": reward}
+    rewards = {"reward_model": rules.reward_model.output[0]} if reward == "model" else \
+        {"reward_file": reward} if reward else {}
+    return rewards | environment_input()
 
 
 def model_dir(wildcards):

@@ -1,0 +1,79 @@
+"""Agentic RL end to end (config/agent-calculator.yaml on the tiny model: real Ray, DeepSpeed, vLLM, MLflow): GRPO
+on multi-turn episodes against the calculator environment with asynchronous rollouts, the trained model evaluated
+on held-out problems with the same environment; and the run interrupted after a checkpoint, resumed, equal to a
+straight run (the episodes' seeds per step, episode and turn replay them)."""
+import csv
+import json
+import signal
+import time
+
+import pytest
+
+from pipeline_helpers import signal_job_tasks, submit_again
+from test_rl_resume import RL_TOLERANCE, read_log
+from test_user_experiment import data_rows, made_stages, planned_jobs
+
+pytestmark = pytest.mark.e2e
+COMPARED = ("reward_mean", "reward_std", "kl", "policy_loss", "response_length", "episode_turns",
+            "episode_env_tokens", "episode_truncated")
+
+
+@pytest.fixture(scope="module")
+def agent_run(user_runs):
+    return user_runs.result("agent_run")
+
+
+def test_grpo_trains_on_episodes_and_evaluates_them_on_held_out_problems(agent_run):
+    results = agent_run["results"]
+    assert planned_jobs(agent_run["plan"]) == {"base_model": 1, "preprocess": 1, "rl": 1, "evaluate": 2, "report": 1,
+                                               "all": 1}
+    assert made_stages(results) == {"base_model", "preprocess/prompts", "rl/grpo/seed1234", "evaluate/base/seed1234",
+                                    "evaluate/grpo/seed1234", "report"}
+    inputs = json.loads((results / "rl" / "grpo" / "seed1234" / "stage.json").read_text())["inputs"]
+    assert inputs["environment_file"].endswith("config/environments/calculator.py")
+    log = data_rows(results / "rl" / "grpo" / "seed1234" / "train_log.jsonl")
+    assert len(log) == 4 and all(0 <= s["episode_truncated"] <= 1 and s["episode_errors"] == 0 for s in log)
+    assert any(s["reward_std"] > 0 and s["policy_loss"] != 0 for s in log)  # the groups' rewards differ: it trains
+    client = agent_run["mlflow"]
+    [run] = client.search_runs([client.get_experiment_by_name("agent-calculator").experiment_id],
+                               "attributes.run_name = 'rl/grpo/seed1234'")
+    # a random model seldom writes a number: the calculator asks again, so episodes take more than one turn
+    assert run.data.metrics["episode_turns"] > 1 and run.data.metrics["episode_env_tokens"] > 0
+    assert {"eval_success", "eval_turns"} <= set(run.data.metrics)
+    for model in ("base", "grpo"):
+        metrics = json.loads((results / "evaluate" / model / "seed1234" / "metrics.json").read_text())
+        assert 0 <= metrics["env_success"] <= 1 and metrics["env_turns"] > 1 and metrics["env_tokens"] > 0
+        assert metrics["num_prompts"] == 16 and metrics["env_errors"] == metrics["env_timeouts"] == 0
+        sample = data_rows(results / "evaluate" / model / "seed1234" / "samples.jsonl")[0]
+        assert "You can use a calculator" in sample["episode"] and sample["stats"]["turns"] >= 1
+    table = list(csv.DictReader((results / "report" / "results.csv").open()))
+    assert [row["method"] for row in table] == ["base", "grpo"]
+    assert all(0 <= float(row["env_success_mean"]) <= 1 and float(row["env_turns_mean"]) > 1 for row in table)
+
+
+def test_an_interrupted_agent_run_resumes_equal_to_a_straight_run(agent_run, tmp_path):
+    first = agent_run["results"] / "rl" / "grpo" / "seed1234"
+    run = {"configfile": agent_run["configfile"], "results": agent_run["results"],
+           "mlflow_uri": f"sqlite:///{agent_run['root'] / 'results' / 'mlflow.db'}"}
+    steps, every = 6, 2
+    straight, straight_out, _ = submit_again(run, first, tmp_path / "straight", "agent-straight", steps=steps,
+                                             checkpoint_every=every)
+    job, output, checkpoints = submit_again(run, first, tmp_path / "interrupted", "agent-interrupted", steps=steps,
+                                            checkpoint_every=every)
+    deadline = time.time() + 900
+    while not (checkpoints / "latest.json").exists():
+        assert not job.done(), f"the job ended before its first checkpoint:\n{job.stdout()}"
+        assert time.time() < deadline, "no checkpoint within 15 minutes"
+        time.sleep(0.1)
+    assert signal_job_tasks(job, signal.SIGUSR2) == 1
+    job.result()
+    straight.result()
+    assert "interrupted (timeout or preemption); requeueing" in job.stdout()
+    log, reference = read_log(output), read_log(straight_out)
+    assert [s["step"] for s in log] == [s["step"] for s in reference] == list(range(1, steps + 1))
+    assert [s["prompt_ids"] for s in log] == [s["prompt_ids"] for s in reference]
+    for step, ref in zip(log, reference):
+        for key in COMPARED:
+            assert step[key] == pytest.approx(ref[key], abs=RL_TOLERANCE), (step["step"], key)
+    assert json.loads((output / "metrics.json").read_text())["eval_reward"] == pytest.approx(
+        json.loads((straight_out / "metrics.json").read_text())["eval_reward"], abs=RL_TOLERANCE)
