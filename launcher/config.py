@@ -199,7 +199,10 @@ def check_benchmarks(config: dict, source: str) -> None:
             raise ConfigError(f"{where}.path = {bench['path']!r}: no such file or directory (relative paths are taken "
                               "from the repository root)")
         scorer, pattern = bench["scorer"], bench["answer_pattern"]
-        if not bench["lm_eval"]:
+        if bench["environment"] and (config["environment"] is None or bench["lm_eval"]):
+            raise ConfigError(f"{where}.environment: true plays the experiment's environment on each problem: it needs "
+                              "an `environment` block (environment.path) and a dataset (path), not lm_eval")
+        if not bench["lm_eval"] and not bench["environment"]:
             if scorer not in SCORERS and not scorer.endswith(".py"):
                 raise ConfigError(f"{where}.scorer = {scorer!r} is not valid; choose one of {list(SCORERS)} or a "
                                   "Python file defining reward_fn(prompts, completions, labels)")
@@ -632,10 +635,10 @@ def stage_jobs(config: dict):
 def benchmark_params(config: dict, name: str, model: str, seed: int) -> dict:
     """What one benchmark job reads (its cache key): the benchmark's own settings, how prompts are formatted, the
     engines, the model and the seed; nothing of another benchmark, so adding one reruns no other's jobs."""
-    data = config["data"]
-    return {"benchmark": config["benchmarks"][name], "name": name, "model": model, "seed": seed,
-            "vllm": config["evaluate"]["vllm"],
-            "chat": {"apply_chat_template": data["apply_chat_template"], "input_template": data["input_template"]}}
+    data, bench = config["data"], config["benchmarks"][name]
+    return {"benchmark": bench, "name": name, "model": model, "seed": seed, "vllm": config["evaluate"]["vllm"],
+            "chat": {"apply_chat_template": data["apply_chat_template"], "input_template": data["input_template"]},
+            "environment": config["environment"] if bench["environment"] else None}
 
 
 def evaluate_params(config: dict) -> dict:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import importlib.util
 import inspect
 import json
 import multiprocessing
@@ -38,6 +37,7 @@ from pathlib import Path
 
 from runtime.models import end_of_turn, model_positions
 from runtime.progress import beat
+from runtime.rewards import import_user_file
 
 
 class EnvironmentFileError(ValueError):
@@ -52,16 +52,7 @@ def load_environment(path) -> type:
     """The Environment class of a Python file, after checking reset(prompt, label, seed) and step(reply)."""
     path = Path(path)
     what = "an environment is a .py file defining class Environment with reset(prompt, label, seed) and step(reply)"
-    if not path.is_file():
-        raise EnvironmentFileError(f"{path}: no such file (relative paths are taken from the repository root); {what}")
-    if path.suffix != ".py":
-        raise EnvironmentFileError(f"{path} is not a Python file (.py); {what}")
-    spec = importlib.util.spec_from_file_location(f"alignpipe_environment_{path.stem}", path)
-    module = importlib.util.module_from_spec(spec)
-    try:
-        spec.loader.exec_module(module)
-    except Exception as err:
-        raise EnvironmentFileError(f"{path} fails to import: {type(err).__name__}: {err}") from None
+    module = import_user_file(path, EnvironmentFileError, what, "environment")
     cls = getattr(module, "Environment", None)
     if not inspect.isclass(cls):
         raise EnvironmentFileError(f"{path} must define class Environment; {what}")
@@ -208,9 +199,9 @@ class EpisodeEnvironment:
 
     def stop(self) -> None:
         self.requests.put((None, (), None))
-        if self.child:
-            self.child.process.join(timeout=1)
+        if self.child:  # (its close, if any, was called)
             self.child.kill()
+            self.child.process.join()
 
 
 def call_all(calls: list) -> list:
@@ -310,15 +301,13 @@ class Episode:
     timeout: bool = False
     success: bool = False
     env_seconds: float = 0.0
-    env_tokens: int = 0
+    env_tokens: int = 0  # the environment's messages (and the boundaries before them) after the prompt
 
     def add(self, ids: list[int], mask: float, logprobs: list[float] | None = None) -> None:
         self.ids += ids
         self.mask += [mask] * len(ids)
         self.logprobs += logprobs if logprobs is not None else [0.0] * len(ids)
         self.rewards += [0.0] * len(ids)
-        if not mask:
-            self.env_tokens += len(ids)
 
     def last_reply_token(self) -> int:
         return max((i for i, m in enumerate(self.mask) if m), default=0)
@@ -351,7 +340,8 @@ class EpisodeRunner:
         self.slots = threading.Semaphore(settings["concurrency"])
 
     def timed(self, episode: Episode, method: str, *args):
-        """episode.env's `method`: its result, or None with the episode ended (timeout) or marked (error)."""
+        """episode.env's `method`: its result; None after a timeout (the episode ends); the exception it raised (the
+        episode ends unless on_error is observe), recorded as the episode's error."""
         t0 = time.perf_counter()
         try:
             return episode.env.call(method, *args)
@@ -391,7 +381,7 @@ class EpisodeRunner:
             if episode.done or first is None:
                 continue
             try:
-                episode.messages = self.cut(as_messages(first))
+                episode.messages = as_messages(first)  # (the task as the environment sets it: not cut)
                 episode.prompt_ids = self.format.first(episode.messages)
             except (TypeError, KeyError) as err:
                 episode.error, episode.done = f"reset returned what is not messages: {err}", True
@@ -430,9 +420,9 @@ class EpisodeRunner:
             results = call_all([lambda e=e, c=c: self.timed(e, "step", c) for e, c in stepping])
             for (episode, _), result in zip(stepping, results):
                 self.apply(episode, result, turn)
+        if hasattr(self.env_cls, "close"):
+            call_all([lambda e=e: self.timed(e, "close") for e in episodes if not e.timeout])
         for episode in episodes:
-            if not episode.timeout and hasattr(self.env_cls, "close"):
-                self.timed(episode, "close")
             episode.env.stop()
             episode.env = None
         return [(e, e.stats(self.drifts(e))) for e in episodes]
@@ -466,6 +456,7 @@ class EpisodeRunner:
             episode.truncated = episode.done = True
             return
         episode.add(following, 0.0)
+        episode.env_tokens += len(following)
         if episode.messages is not None:
             episode.messages += messages
 

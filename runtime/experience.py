@@ -231,6 +231,17 @@ def split_call(group, method: str, rollout: Rollout) -> list:
     return [result[:max(0, min(size, len(rollout) - r * size))] for r, result in enumerate(per_rank)]
 
 
+def place_rewards(rollout: Rollout, scores: torch.Tensor, turn_rewards: bool) -> torch.Tensor:
+    """(B, T) per-token rewards: each row's score (B,) at its last trained token; with `turn_rewards`, an episode's
+    step rewards at their own replies' last tokens and the rest of its score (a final reward, a penalty) at the last."""
+    rewards = torch.zeros_like(rollout.mask)
+    if turn_rewards and rollout.env_rewards is not None:
+        rewards = rollout.env_rewards.clone()
+        scores = scores - rollout.env_rewards.sum(-1)
+    rewards[torch.arange(len(rollout)), rollout.last_trained()] += scores
+    return rewards
+
+
 def make_experience(roles, cfg, rollout: Rollout, kl_coef: float, reward_stats: dict,
                     raw: list[float] | None = None) -> dict:
     """Fill the rollout's log-probs, values, advantages and returns; the step's experience metrics. `raw`: the rows'
@@ -257,12 +268,7 @@ def make_experience(roles, cfg, rollout: Rollout, kl_coef: float, reward_stats: 
     sampled = rollout.rollout_logp if once else rollout.old_logp  # vLLM's log-probs come from the same weights
     mask = rollout.mask
     kl = losses.kl_estimate(sampled, rollout.ref_logp, cfg.kl_estimator) * mask
-    token_rewards = torch.zeros_like(mask)
-    if rollout.env_rewards is not None and cfg.environment["turn_rewards"]:
-        # each step's reward at its own reply (for gae and reinforce); the rest of the score at the last reply
-        token_rewards = rollout.env_rewards.clone()
-        scores = scores - rollout.env_rewards.sum(-1)
-    token_rewards[torch.arange(len(rollout)), rollout.last_trained()] += scores
+    token_rewards = place_rewards(rollout, scores, bool(cfg.environment and cfg.environment["turn_rewards"]))
     if cfg.kl_in_reward:
         token_rewards = token_rewards - kl_coef * kl
     if roles.critic is not None:

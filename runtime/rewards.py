@@ -21,22 +21,30 @@ def reward_name(reward: str) -> str:
     return "reward_model" if reward == "model" else Path(reward).stem
 
 
-def load_reward_fn(path: Path):
-    """reward_fn from a Python file, after checking that it takes (prompts, completions, labels)."""
-    path = Path(path)
-    what = "a reward is `model` or a .py file defining reward_fn(prompts, completions, labels)"
+def import_user_file(path: Path, error: type, what: str, kind: str):
+    """A user's Python file (a reward or environment file) as a module of its own; `error` naming the file and saying
+    `what` a valid one is, where it is missing, not a .py file or fails to import."""
     if not path.exists():
-        raise RewardFileError(f"{path}: no such file (relative paths are taken from the repository root); {what}")
+        raise error(f"{path}: no such file (relative paths are taken from the repository root); {what}")
     if path.is_dir():
-        raise RewardFileError(f"{path} is a directory, not a Python file; {what}")
+        raise error(f"{path} is a directory, not a Python file; {what}")
     if path.suffix != ".py":
-        raise RewardFileError(f"{path} is not a Python file (.py); {what}")
-    spec = importlib.util.spec_from_file_location(f"alignpipe_reward_{path.stem}", path)
+        raise error(f"{path} is not a Python file (.py); {what}")
+    spec = importlib.util.spec_from_file_location(f"alignpipe_{kind}_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
     try:
         spec.loader.exec_module(module)
     except Exception as err:
-        raise RewardFileError(f"{path} fails to import: {type(err).__name__}: {err}") from None
+        raise error(f"{path} fails to import: {type(err).__name__}: {err}") from None
+    return module
+
+
+def load_reward_fn(path: Path):
+    """reward_fn from a Python file, after checking that it takes (prompts, completions, labels)."""
+    path = Path(path)
+    module = import_user_file(path, RewardFileError,
+                              "a reward is `model` or a .py file defining reward_fn(prompts, completions, labels)",
+                              "reward")
     reward_fn = getattr(module, "reward_fn", None)
     if not callable(reward_fn):
         raise RewardFileError(f"{path} must define reward_fn(prompts, completions, labels)")

@@ -29,6 +29,7 @@ from runtime.actor_group import actor_threads, check_gpus_shareable, cluster_gpu
 from runtime.answer_scoring import (MathVerifier, majority_at_k, normalise_answer, pass_at_k, score_exact,
                                     score_regex)
 from runtime.builtin_data import arithmetic_rows
+from runtime.environments import EpisodeRunner, context_length
 from runtime.logprobs import pad_prompt_response, response_logits, token_logprobs
 from runtime.models import load_tokenizer, model_positions
 from runtime.rewards import RewardFileError, call_reward_fn, load_reward_fn
@@ -48,10 +49,11 @@ class Config:
     benchmark: dict  # the schema's benchmarks.<name>, resolved (launcher/config.resolve_benchmarks)
     vllm: dict  # evaluate.vllm
     chat: dict  # data.apply_chat_template, data.input_template
+    environment: dict | None = None  # the experiment's, where the benchmark plays episodes (benchmarks.<name>.environment)
 
     @classmethod
     def from_params(cls, params: dict) -> "Config":
-        return cls(**{f.name: params[f.name] for f in dataclasses.fields(cls)})
+        return cls(**{f.name: params[f.name] for f in dataclasses.fields(cls) if f.name in params})
 
 
 def read_problems(bench: dict) -> list[dict]:
@@ -121,6 +123,14 @@ class Models:
 
     def generate(self, prompt_ids: list[list[int]], n: int, temperature: float, top_p: float, max_new_tokens: int,
                  seed: int) -> list[list[dict]]:
+        # Each sample its own request, seeded seed + its index: vLLM draws a request's n samples from seeds
+        # seed + 0 .. n - 1, so request i's second sample would repeat request i + 1's first draw.
+        samples = self.sample([ids for ids in prompt_ids for _ in range(n)], temperature, top_p, max_new_tokens, seed)
+        return [samples[i:i + n] for i in range(0, len(samples), n)]
+
+    def sample(self, requests: list[list[int]], temperature: float, top_p: float, max_new_tokens: int | list[int],
+               seed: int, seeds: list[int] | None = None) -> list[dict]:
+        """One reply per request, request i seeded seed + i (or seeds[i]); the engines started on first use."""
         self.close_scorer()
         if self.engines is None:
             if not self.on_ray:  # one engine gives the samples of several (each request keeps its seed)
@@ -131,15 +141,12 @@ class Models:
                                          " (an engine's actor beside its vLLM worker)")
                 self.engines = start_engines(self.model_dir, self.cfg.seed, self.max_len, self.cfg.vllm, self.threads,
                                              1, self.gpus, engine_cls=Engine)
-        # Each sample its own request, seeded seed + its index: vLLM draws a request's n samples from seeds
-        # seed + 0 .. n - 1, so request i's second sample would repeat request i + 1's first draw.
-        requests = [ids for ids in prompt_ids for _ in range(n)]
         sampling = (1, temperature, top_p, max_new_tokens, seed)
         if not self.on_ray:
-            samples = self.engines[0].generate(requests, *sampling)
+            samples = self.engines[0].generate(requests, *sampling, seeds=seeds)
         else:
-            samples = generate_on(self.engines, requests, *sampling)
-        return [[s[0] for s in samples[i:i + n]] for i in range(0, len(samples), n)]
+            samples = generate_on(self.engines, requests, *sampling, seeds=seeds)
+        return [s[0] for s in samples]
 
     def loglikelihood(self, contexts: list[list[int]], continuations: list[list[int]]) -> list[tuple]:
         self.close_engines()
@@ -263,6 +270,24 @@ def run_lm_eval(models: Models, tokenizer, cfg: Config) -> list[dict]:
             for r in records]
 
 
+def play(models: Models, tokenizer, cfg: Config, rows: list[dict], prompt_ids: list[list[int]], environment_file,
+         seed: int) -> tuple[list, list, list, list]:
+    """n_samples episodes per problem against the experiment's environment (runtime/environments.py): per problem its
+    episodes' last replies and scores (1: the episode succeeded); the episodes' lengths and truncations."""
+    bench = cfg.benchmark
+    runner = EpisodeRunner(cfg.environment, environment_file, tokenizer, models.max_len)
+    episodes = runner.run(lambda contexts, seeds, max_tokens: models.sample(contexts, bench["temperature"],
+                                                                            bench["top_p"], max_tokens, seed, seeds),
+                          [{"input": str(row[bench["input_key"]]), "label": str(row[bench["label_key"]]),
+                            "prompt_ids": ids} for row, ids in zip(rows, prompt_ids)],
+                          bench["n_samples"], seed, bench["max_new_tokens"])
+    n = bench["n_samples"]
+    groups = [episodes[i:i + n] for i in range(0, len(episodes), n)]
+    replies = [[e.replies[-1] if e.replies else "" for e, _ in group] for group in groups]
+    scores = [[float(stats["success"]) for _, stats in group] for group in groups]
+    return replies, scores, [len(e.ids) for e, _ in episodes], [stats["truncated"] for _, stats in episodes]
+
+
 def benchmark_metrics(problems: list[dict], pass_k: list[int], with_answers: bool) -> dict:
     """avg@n, pass@k and (with answers) maj@k over the problems, each problem weighing the same."""
     n = len(problems[0]["scores"])  # (an lm-eval task of log-likelihoods scores each problem once)
@@ -291,7 +316,13 @@ def run(cfg: Config, inputs: dict, output: Path, tracker) -> None:
             examples, rows = rows[:bench["few_shot"]], rows[bench["few_shot"]:]
             prompts = [format_prompt(tokenizer, cfg, examples, row) for row in rows]
             prompt_ids = [tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
-            if bench["scorer"] == "choice":
+            if bench["environment"]:
+                models.max_len = context_length(max(map(len, prompt_ids)), bench["max_new_tokens"], cfg.environment,
+                                                model_dir)
+                replies, scores, lengths, truncated = play(models, tokenizer, cfg, rows, prompt_ids,
+                                                           inputs["environment_file"], seed)
+                answers = [[] for _ in rows]
+            elif bench["scorer"] == "choice":
                 answers, scores = choose(models, tokenizer, cfg, rows, prompt_ids)
                 replies = [[] for _ in rows]
             else:
@@ -305,7 +336,7 @@ def run(cfg: Config, inputs: dict, output: Path, tracker) -> None:
             problems = [{"id": i, "input": str(row[bench["input_key"]]), "label": str(row[bench["label_key"]]),
                          "completions": texts, "answers": a, "scores": s}
                         for i, (row, texts, a, s) in enumerate(zip(rows, replies, answers, scores))]
-            with_answers = bench["scorer"] in ("math", "exact", "regex", "choice")
+            with_answers = bench["scorer"] in ("math", "exact", "regex", "choice") and not bench["environment"]
     finally:
         models.close()
     if not problems:

@@ -16,6 +16,10 @@ With `async_rollouts: 1` step t+1's generation (a thread of this driver: the eng
 while step t makes its experience and trains, with the weights before step t's update; the weight sync waits for
 both. A checkpoint then keeps the rollout generated ahead, so a resumed run trains on the samples the uninterrupted
 run trained on.
+With an `environment` (runtime/environments.py) each sample is a multi-turn episode: every live episode's reply
+generated at once, the environment's steps run concurrently, the trained ids those sampled with the environment's
+messages between them (mask 0), the episode's reward the sum of its step rewards (and a reward file's, on its last
+reply).
 One config names several variants (e.g. grpo, ppo); each is a separate run of this stage.
 
     .venv/bin/snakemake --profile cluster_profiles/local results/<experiment>/rl/grpo

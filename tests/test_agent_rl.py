@@ -25,30 +25,44 @@ def agent_run(user_runs):
 
 def test_grpo_trains_on_episodes_and_evaluates_them_on_held_out_problems(agent_run):
     results = agent_run["results"]
-    assert planned_jobs(agent_run["plan"]) == {"base_model": 1, "preprocess": 1, "rl": 1, "evaluate": 2, "report": 1,
-                                               "all": 1}
-    assert made_stages(results) == {"base_model", "preprocess/prompts", "rl/grpo/seed1234", "evaluate/base/seed1234",
-                                    "evaluate/grpo/seed1234", "report"}
-    inputs = json.loads((results / "rl" / "grpo" / "seed1234" / "stage.json").read_text())["inputs"]
-    assert inputs["environment_file"].endswith("config/environments/calculator.py")
-    log = data_rows(results / "rl" / "grpo" / "seed1234" / "train_log.jsonl")
-    assert len(log) == 4 and all(0 <= s["episode_truncated"] <= 1 and s["episode_errors"] == 0 for s in log)
-    assert any(s["reward_std"] > 0 and s["policy_loss"] != 0 for s in log)  # the groups' rewards differ: it trains
+    assert planned_jobs(agent_run["plan"]) == {"base_model": 1, "preprocess": 1, "rl": 2, "evaluate": 2,
+                                               "benchmark": 2, "report": 1, "all": 1}
+    models = ("base", "grpo")
+    assert made_stages(results) == {"base_model", "preprocess/prompts", "rl/grpo/seed1234", "rl/ppo/seed1234",
+                                    "report"} | {f"{stage}/{model}/seed1234" for model in models
+                                                 for stage in ("evaluate", "benchmark/calc")}
     client = agent_run["mlflow"]
-    [run] = client.search_runs([client.get_experiment_by_name("agent-calculator").experiment_id],
-                               "attributes.run_name = 'rl/grpo/seed1234'")
-    # a random model seldom writes a number: the calculator asks again, so episodes take more than one turn
-    assert run.data.metrics["episode_turns"] > 1 and run.data.metrics["episode_env_tokens"] > 0
-    assert {"eval_success", "eval_turns"} <= set(run.data.metrics)
-    for model in ("base", "grpo"):
+    for variant in ("grpo", "ppo"):
+        inputs = json.loads((results / "rl" / variant / "seed1234" / "stage.json").read_text())["inputs"]
+        assert inputs["environment_file"].endswith("config/environments/calculator.py") and "reward_file" in inputs
+        log = data_rows(results / "rl" / variant / "seed1234" / "train_log.jsonl")
+        assert len(log) == 4 and all(0 <= s["episode_truncated"] <= 1 and s["episode_errors"] == 0 for s in log)
+        assert any(s["reward_std"] > 0 and s["policy_loss"] != 0 for s in log)  # rewards differ: it trains
+        [run] = client.search_runs([client.get_experiment_by_name("agent-calculator").experiment_id],
+                                   f"attributes.run_name = 'rl/{variant}/seed1234'")
+        # a random model seldom writes a number: the calculator asks again, so episodes take more than one turn
+        assert run.data.metrics["episode_turns"] > 1 and run.data.metrics["episode_env_tokens"] > 0
+        assert {"eval_success", "eval_turns"} <= set(run.data.metrics)
+    ppo = data_rows(results / "rl" / "ppo" / "seed1234" / "train_log.jsonl")
+    assert all("value_loss" in s for s in ppo)  # a critic
+    assert sum(s["forward_tokens"] for s in ppo) < sum(s["padded_tokens"] for s in ppo)  # packed
+    assert all(s["generation_rounds"] >= 1 for s in ppo)  # dynamic sampling
+    for model in models:
         metrics = json.loads((results / "evaluate" / model / "seed1234" / "metrics.json").read_text())
         assert 0 <= metrics["env_success"] <= 1 and metrics["env_turns"] > 1 and metrics["env_tokens"] > 0
         assert metrics["num_prompts"] == 16 and metrics["env_errors"] == metrics["env_timeouts"] == 0
         sample = data_rows(results / "evaluate" / model / "seed1234" / "samples.jsonl")[0]
         assert "You can use a calculator" in sample["episode"] and sample["stats"]["turns"] >= 1
     table = list(csv.DictReader((results / "report" / "results.csv").open()))
-    assert [row["method"] for row in table] == ["base", "grpo"]
+    assert [row["method"] for row in table] == list(models)
     assert all(0 <= float(row["env_success_mean"]) <= 1 and float(row["env_turns_mean"]) > 1 for row in table)
+    # the benchmark plays 2 episodes per test problem: avg@2 and pass@2 of their success
+    for model in models:
+        bench = json.loads((results / "benchmark" / "calc" / model / "seed1234" / "metrics.json").read_text())
+        assert bench["num_problems"] == 8 and 0 <= bench["avg_at_2"] <= bench["pass_at_2"] <= 1
+        problems = data_rows(results / "benchmark" / "calc" / model / "seed1234" / "samples.jsonl")
+        assert all(len(p["scores"]) == 2 and set(p["scores"]) <= {0.0, 1.0} for p in problems)
+    assert "calc" in (results / "report" / "benchmarks.md").read_text()
 
 
 def test_an_interrupted_agent_run_resumes_equal_to_a_straight_run(agent_run, tmp_path):

@@ -67,6 +67,8 @@ def test_shipped_configs_are_valid():
     ({"environment": {"path": "env.py", "isolation": "fork"}}, ["environment.isolation", "['thread', 'process']"]),
     ({"environment": {"path": "env.py", "on_error": "retry"}}, ["environment.on_error", "['end', 'observe']"]),
     ({"environment": {"path": "env.py", "turns": 2}}, ["unknown key environment.turns", "max_turns"]),
+    ({"benchmarks": {"calc": {"path": "builtin:arithmetic", "environment": True}}},
+     ["benchmarks.calc.environment: true", "needs an `environment` block"]),
 ])
 def test_bad_config_names_key_and_valid_values(raw, expected):
     with pytest.raises(ConfigError) as err:
@@ -362,27 +364,30 @@ ENVIRONMENT_DEFAULTS = {"max_turns": 4, "max_episode_tokens": 512, "max_env_toke
 
 def test_an_environment_block_gets_its_defaults_and_reaches_rl_and_evaluate_only():
     """`environment` is null by default; a block with its path gets every other key's default, and is part of each
-    rl variant's and each evaluation's params (their cache keys), never a benchmark's. A reward of null with it: no
-    reward model, no reward file, no column of the evaluation."""
+    rl variant's and each evaluation's params (their cache keys), and a benchmark's only where it plays episodes
+    (benchmarks.<name>.environment). A reward of null with it: no reward model, no reward file, no column of the
+    evaluation."""
     config = validate_config({})
     assert config["environment"] is None
     assert rl_variant(validate_config({"rl": {"variants": GRPO}}), "grpo")["environment"] is None
     assert evaluate_params(config)["environment"] is None
     config = validate_config({"environment": {"path": "envs/game.py", "max_turns": 2},
                               "rl": {"variants": {"grpo": {"reward": None}, "ppo": {"estimator": "gae"}}},
-                              "benchmarks": {"math": {"path": "builtin:arithmetic"}}})
+                              "benchmarks": {"math": {"path": "builtin:arithmetic"},
+                                             "calc": {"path": "builtin:arithmetic", "environment": True}}})
     environment = {"path": "envs/game.py", **ENVIRONMENT_DEFAULTS, "max_turns": 2}
     assert config["environment"] == environment
     assert rl_variant(config, "grpo")["environment"] == environment and rl_variant(config, "grpo")["reward"] is None
     assert rl_variant(config, "ppo")["environment"] == environment and rl_variant(config, "ppo")["reward"] == "model"
     assert evaluate_params(config)["environment"] == environment
-    assert "environment" not in json.dumps(benchmark_params(config, "math", "base", 0))
+    assert benchmark_params(config, "math", "base", 0)["environment"] is None
+    assert benchmark_params(config, "calc", "base", 0)["environment"] == environment
     assert config["evaluate"]["rewards"] == ["model"]  # (grpo's null is no column)
     assert dag_stages(config)["reward_model"]  # (ppo's reward is model)
     jobs = {run: params for _, run, params in stage_jobs(config)}
     assert jobs["rl/grpo/seed1234"]["rl"]["environment"] == environment
     assert jobs["evaluate/grpo/seed1234"]["evaluate"]["environment"] == environment
-    assert "environment" not in json.dumps(jobs["benchmark/math/grpo/seed1234"])
+    assert jobs["benchmark/math/grpo/seed1234"]["environment"] is None
     assert all(v["environment"] == environment for v in jobs["report"]["variants"].values())
     # the environment's rewards alone: no reward model in the DAG, no rewards evaluated
     config = validate_config({"environment": {"path": "envs/game.py"}, "rl": {"reward": None, "variants": GRPO}})

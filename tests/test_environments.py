@@ -12,7 +12,7 @@ from launcher.config import stage_config
 from runtime import models, rl_actors
 from runtime.environments import (EpisodeRunner, EnvironmentFileError, load_environment, parse_tool_calls,
                                   turn_seed)
-from runtime.experience import Rollout
+from runtime.experience import Rollout, place_rewards
 from runtime.rl_actors import PolicyWorker
 from stages import rl
 
@@ -113,6 +113,16 @@ def test_the_rollout_trains_the_replies_only_and_rewards_the_last_reply_token(to
         episode.mask
 
 
+def test_step_rewards_sit_at_their_replies_or_all_at_the_last_reply():
+    """Two episodes of 2 and 1 replies (mask 0 between them): the score (step rewards 0.25 and 1.0, plus a final
+    reward 0.5) all at the last reply's last token, or with turn_rewards each step's at its own reply."""
+    row = Rollout.of([[1], [1]], [[5, 6, 0, 0, 7, 8], [5, 6]], masks=[[1, 1, 0, 0, 1, 1], [1, 1]],
+                     env_rewards=[[0, 0.25, 0, 0, 0, 1.0], [0, 1.0]])
+    scores = row.env_rewards.sum(-1) + 0.5
+    assert place_rewards(row, scores, False).tolist() == [[0, 0, 0, 0, 0, 1.75], [0, 1.5, 0, 0, 0, 0]]
+    assert place_rewards(row, scores, True).tolist() == [[0, 0.25, 0, 0, 0, 1.5], [0, 1.5, 0, 0, 0, 0]]
+
+
 def test_a_reply_cut_at_max_new_tokens_gets_an_untrained_end_of_turn(tokenizer, echo):
     runner, _, [(episode, stats)] = play(tokenizer, echo, ["41", "42"], cut={(0, "41")})
     reply = tokenizer("41", add_special_tokens=False)["input_ids"]
@@ -120,6 +130,7 @@ def test_a_reply_cut_at_max_new_tokens_gets_an_untrained_end_of_turn(tokenizer, 
     assert episode.ids[:len(reply) + len(eot)] == reply + eot
     assert episode.mask[:len(reply) + len(eot)] == [1.0] * len(reply) + [0.0] * len(eot)
     assert stats["turns"] == 2 and not stats["drift"]
+    assert stats["env_tokens"] == episode.mask.count(0.0) - len(eot)  # (the end of turn is no environment's)
 
 
 def test_max_turns_and_the_token_budget_end_episodes(tokenizer, echo):
@@ -139,6 +150,7 @@ def test_a_long_observation_is_cut_to_max_env_tokens(tokenizer, echo):
     _, _, [(episode, stats)] = play(tokenizer, echo, [long, "42"], settings={"max_env_tokens": 5})
     observation = episode.messages[3]["content"]
     assert len(tokenizer(observation, add_special_tokens=False)["input_ids"]) == 5
+    assert episode.messages[0]["content"] == "Answer with a number."  # (reset's messages are the task: not cut)
     assert stats["env_tokens"] < 40
 
 

@@ -63,6 +63,9 @@ def test_calculator_final_answer_is_scored_against_the_label():
     assert messages == [] and reward == 1.0 and done and info == {"success": True}
     messages, reward, done, info = calculator().step(reply("The answer is 45."))
     assert messages == [] and reward == 0.0 and done and info == {"success": False}
+    # the last integer is the answer: a small model restates the problem first
+    assert calculator().step(reply("12 + 34 is 46."))[1:] == (1.0, True, {"success": True})
+    assert calculator().step(reply("46, or 12 + 34"))[1:] == (0.0, True, {"success": False})
 
 
 def test_calculator_reply_without_call_or_number_gets_feedback():

@@ -461,14 +461,20 @@ def rl_only_experiment(root: Path) -> dict:
 
 def agent_experiment(root: Path) -> dict:
     """config/agent-calculator.yaml (multi-turn episodes with a calculator tool) on the tiny random model, 4 steps,
-    with a final reward file beside the environment's step rewards: a random model never answers right, and the
-    vowel fraction of its last reply gives GRPO's groups something to tell apart (tests/test_agent_rl.py)."""
+    with a final reward file beside the environment's step rewards (each at its own turn): a random model never
+    answers right, and the vowel fraction of its last reply gives the groups something to tell apart. Beside the
+    config's GRPO, PPO (a critic) with packing and dynamic sampling; base and GRPO evaluated, and benchmarked on the
+    calculator's test problems (tests/test_agent_rl.py)."""
     overrides = {"model": {"source": "tiny", "tiny": {"hidden_size": 64, "num_layers": 2, "num_heads": 2,
                                                        "vocab_size": 512}},
                  "data": {"prompts": {"max_samples": 64}, "eval": {"max_samples": 16}},
+                 "environment": {"turn_rewards": True},
                  "rl": {"steps": 4, "eval_prompts": 8, "eval_every": 2, "rollout_batch_size": 4, "batch_size": 16,
-                        "micro_batch_size": 8, "learning_rate": 1.0e-3, "reward": "config/rewards/vowel_fraction.py"},
-                 "evaluate": {"num_prompts": 16}}
+                        "micro_batch_size": 8, "learning_rate": 1.0e-3, "reward": "config/rewards/vowel_fraction.py",
+                        "variants": {"ppo": {"estimator": "gae", "packing": True, "dynamic_sampling": True}}},
+                 "evaluate": {"num_prompts": 16, "models": ["base", "grpo"]},
+                 "benchmarks": {"calc": {"path": "builtin:arithmetic", "max_samples": 8, "environment": True,
+                                         "n_samples": 2, "temperature": 1.0, "max_new_tokens": 16}}}
     return {"root": root, "configfile": shipped_config("agent-calculator", root, **overrides), "overrides": overrides}
 
 

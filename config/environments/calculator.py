@@ -5,7 +5,7 @@ multi-turn episode in which the model may compute before it answers. config/agen
 The protocol, as the system message (SYSTEM) tells the model:
     calc: 12 + 34          -> a user message "12 + 34 = 46"
     a tool call            -> a tool message "46": {"name": "calculator", "arguments": {"expression": "12 + 34"}}
-    46                     -> the final answer (the reply's first integer): reward 1.0 if it is the label, else 0.0
+    12 + 34 is 46.         -> the final answer (the reply's last integer): reward 1.0 if it is the label, else 0.0
     anything else          -> "Answer with a number, or use calc: <expression>." and another turn
 Expressions are integers, + - * / and parentheses, parsed with `ast` and evaluated by hand (never eval); anything
 else, or a division by zero, comes back as an error text. Division is exact: 7 / 2 = 7/2.
@@ -67,10 +67,10 @@ class Environment:
             expression = call.group(1).strip()
             result = calculate(expression)
             return result if result.startswith("error") else f"{expression} = {result}", 0.0, False
-        answer = NUMBER.search(reply.text)
-        if answer is None:
+        numbers = NUMBER.findall(reply.text)  # the last: small models restate the problem before the answer
+        if not numbers:
             return FEEDBACK, 0.0, False
-        correct = answer.group() == self.label
+        correct = numbers[-1] == self.label
         return [], float(correct), True, {"success": correct}
 
     def tool(self, call: dict) -> str:

@@ -144,7 +144,7 @@ def benchmark_inputs(wildcards):
     files += [bench["scorer"]] if bench["scorer"].endswith(".py") else []
     files += [lm_eval["task"]] if lm_eval.get("task", "").endswith((".yaml", ".yml")) else []
     files += [lm_eval["include_path"]] if lm_eval.get("include_path") else []
-    return {"benchmark_files": files}
+    return {"benchmark_files": files} | (environment_input() if bench["environment"] else {})
 
 
 def report_inputs(wildcards):
