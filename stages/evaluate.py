@@ -64,9 +64,9 @@ class Config:
 
     @classmethod
     def from_params(cls, params: dict) -> "Config":
-        keys = {f.name for f in dataclasses.fields(cls)} - {"environment"}
+        keys = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in params["evaluate"].items() if k in keys}, model=params["model"],
-                   seed=params["seed"], environment=params["evaluate"].get("environment"))
+                   seed=params["seed"])
 
 
 def token_kl(logits: torch.Tensor, ref_logits: torch.Tensor, max_bytes: int = LOGITS_CHUNK_BYTES) -> torch.Tensor:
