@@ -31,7 +31,8 @@ def cpu_seconds() -> tuple[float, float]:
 # (`tiny_dag`); then the rest, beside the user-experiment DAGs (`user_runs`), which take the cores they leave idle:
 # first the files that keep about one core of two busy (WAITING_FILES: they wait on servers, Ray and engine
 # start-ups, a stall's limit; run after the DAGs had ended, 20-59% of the machine), while the DAGs certainly run,
-# then those that keep both busy; then test_user_experiment.py, whose tests wait for those DAGs; last the files that
+# then those that keep both busy; then test_user_experiment.py and test_agent_rl.py (the last DAG's), whose tests wait
+# for those DAGs (a wait before the rest had run would leave those DAGs alone on the machine); last the files that
 # time something against a short limit (TIMED_FILES: a refusal within seconds, a stall within 3 s), with the machine
 # to themselves: beside a DAG, a dry run's refusal took up to 29 s instead of 2-3.
 WAITING_FILES = ("test_ray_security.py", "test_tracking_faults.py", "test_user_data.py", "test_weight_sync.py",
@@ -43,7 +44,8 @@ def pytest_collection_modifyitems(items):
     def group(item) -> int:
         name = item.path.name
         return 0 if item.path.parent.name == "slurm" else 1 if name in WAITING_FILES else \
-            3 if name == "test_user_experiment.py" else 4 if name in TIMED_FILES else 2
+            3 if name == "test_user_experiment.py" else 3.5 if name == "test_agent_rl.py" else \
+            4 if name in TIMED_FILES else 2
     items.sort(key=group)
 
 
