@@ -204,7 +204,7 @@ class SleepingEngine:
     def finish_weight_update(self) -> None:
         pass
 
-    def generate(self, prompt_token_ids, n, temperature, top_p, max_new_tokens, seed, ignore_eos=False):
+    def generate(self, prompt_token_ids, n, temperature, top_p, max_new_tokens, seed, ignore_eos=False, seeds=None):
         deadline = time.monotonic() + self.WAIT_S
         while self.sleeping:  # (nothing can wake it while this call runs: the actor runs one call at a time)
             if time.monotonic() > deadline:
