@@ -28,6 +28,7 @@ import multiprocessing
 import queue
 import random
 import re
+import statistics
 import threading
 import time
 import traceback
@@ -316,6 +317,16 @@ class Episode:
         return {"turns": len(self.replies), "env_tokens": self.env_tokens, "truncated": self.truncated,
                 "error": self.error, "timeout": self.timeout, "success": self.success,
                 "env_seconds": self.env_seconds, "drift": drift, "reward": sum(self.rewards)}
+
+
+def summarise(stats: list[dict]) -> dict:
+    """Means over episodes (their Episode.stats): turns, env_tokens, env_seconds, reward, and the shares truncated,
+    successful, with an error, a timeout, drift."""
+    mean = lambda value: statistics.fmean(float(value(s)) for s in stats)
+    return {key: mean(lambda s, key=key: s[key]) for key in ("turns", "env_tokens", "env_seconds", "reward")} | {
+        "truncated": mean(lambda s: s["truncated"]), "success": mean(lambda s: s["success"]),
+        "errors": mean(lambda s: s["error"] is not None), "timeouts": mean(lambda s: s["timeout"]),
+        "drift": mean(lambda s: s["drift"])}
 
 
 def group_seed(seed: int, group: int) -> int:

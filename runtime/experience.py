@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from runtime import losses
 from runtime.advantages import compute_advantages
+from runtime.environments import summarise
 from runtime.logprobs import pad_prompt_response
 from runtime.rewards import call_reward_fn
 from runtime.rollout import generate_on
@@ -177,14 +178,8 @@ def roll(roles, prompts: list[dict], n: int, cfg, seed: int, temperature: float)
 
 
 def episode_metrics(rollout: Rollout) -> dict:
-    """The step's episode metrics: means over its episodes."""
-    rows = rollout.episodes
-    mean = lambda key: statistics.fmean(float(bool(r[key]) if key in ("error", "timeout", "success", "drift",
-                                                                      "truncated") else r[key]) for r in rows)
-    return {"episode_turns": mean("turns"), "episode_env_tokens": mean("env_tokens"),
-            "episode_truncated": mean("truncated"), "episode_errors": mean("error"),
-            "episode_timeouts": mean("timeout"), "episode_success": mean("success"),
-            "episode_env_seconds": mean("env_seconds"), "episode_drift": mean("drift")}
+    """The step's episode metrics (episode_turns, episode_success, ...): means over its episodes."""
+    return {f"episode_{key}": value for key, value in summarise(rollout.episodes).items() if key != "reward"}
 
 
 def informative_groups(scores: list[float], n_samples: int) -> list[int]:

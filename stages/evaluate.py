@@ -33,7 +33,7 @@ import torch
 
 from runtime import data
 from runtime.actor_group import actor_threads, check_gpus_shareable, cluster_gpus
-from runtime.environments import EpisodeRunner, context_length
+from runtime.environments import EpisodeRunner, context_length, summarise
 from runtime.logprobs import (LOGITS_CHUNK_BYTES, logit_chunks, on_device, pad_prompt_response, response_logits,
                               token_logprobs)
 from runtime.models import load_causal_lm, load_reward_model, load_tokenizer, model_dtype, release_cached_memory
@@ -280,12 +280,8 @@ def run(cfg: Config, inputs: dict, output: Path, tracker) -> None:
         "num_prompts": len(rows),
     }
     if runner:  # the episodes' success rate, reward (the sum of their step rewards), turns and what went wrong
-        stats = [c["episode"] for c in completions]
-        mean = lambda key: statistics.fmean(float(s[key] or 0) for s in stats)
-        metrics |= {"env_success": mean("success"), "env_reward": mean("reward"), "env_turns": mean("turns"),
-                    "env_tokens": mean("env_tokens"), "env_truncated": mean("truncated"),
-                    "env_errors": statistics.fmean(float(s["error"] is not None) for s in stats),
-                    "env_timeouts": mean("timeout"), "env_seconds": mean("env_seconds"), "env_drift": mean("drift")}
+        metrics |= {"env_" + key.removeprefix("env_"): value
+                    for key, value in summarise([c["episode"] for c in completions]).items()}
     if references is not None:
         nll = -sum(lp for lp, _, _ in references) / sum(n for _, _, n in references)
         metrics["perplexity"] = float(torch.tensor(nll).exp())
