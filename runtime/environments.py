@@ -349,6 +349,7 @@ class EpisodeRunner:
         self.format = ChatFormat(tokenizer, getattr(self.env_cls, "tools", None), str(path))
         self.tokenizer = tokenizer
         self.slots = threading.Semaphore(settings["concurrency"])
+        self.stopping = threading.Event()  # set when the stage ends early: no turn starts after it
 
     def timed(self, episode: Episode, method: str, *args):
         """episode.env's `method`: its result; None after a timeout (the episode ends); the exception it raised (the
@@ -405,6 +406,8 @@ class EpisodeRunner:
             live = [i for i, e in enumerate(episodes) if not e.done]
             if not live:
                 break
+            if self.stopping.is_set():
+                raise RuntimeError("the stage is ending: its episodes stop")
             room = [budget - len(episodes[i].ids) for i in live]
             samples = generate([episodes[i].prompt_ids + episodes[i].ids for i in live],
                                [turn_seed(seed, i, turn) for i in live], [min(max_new_tokens, r) for r in room])

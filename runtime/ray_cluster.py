@@ -476,6 +476,7 @@ def _connect(address: str, my_ip: str, proc: subprocess.Popen, log_path: Path, t
     """Connect the driver once the head node is up: `ray start` says "Ray runtime started" when its services
     are (an open GCS port alone is not enough on a loaded machine); a slow GCS gets a few tries."""
     import ray
+    from ray._private import auto_init_hook
     deadline = time.time() + timeout_s
     while "Ray runtime started" not in _log_tail(log_path, 1 << 20):
         # A GCS that cannot bind its port says so at once; `ray start` reports it ~40 s later.
@@ -491,6 +492,10 @@ def _connect(address: str, my_ip: str, proc: subprocess.Popen, log_path: Path, t
     for attempt in range(1, attempts + 1):
         try:
             ray.init(address=address, _node_ip_address=my_ip, log_to_driver=True, logging_level="WARNING")
+            # Once the stage's cluster is shut down (an interruption), a thread still calling Ray (a rollout
+            # generated ahead, an episode's next turn) must fail in Python: Ray's automatic ray.init would connect
+            # again and abort the process in its token loader, before the job's requeue is written.
+            auto_init_hook.enable_auto_connect = False
             return
         except Exception as err:  # e.g. "Timed out while waiting for GCS to become available"
             with contextlib.suppress(Exception):

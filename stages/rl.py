@@ -270,45 +270,51 @@ def run(cfg: Config, inputs: dict, output: Path, tracker) -> None:
         ahead.set_result(sample_from_state(state["ahead"]))
     pool = ThreadPoolExecutor(1, thread_name_prefix="rollout") if cfg.async_rollouts else None
     progress = Progress(f"rl/{cfg.name}", cfg.steps)
-    for s in range(step, cfg.steps):
-        train_rng = random.Random(cfg.seed * 1_000_003 + s)
-        t0 = time.perf_counter()
-        rollout, raw, batch, metrics = ahead.result() if ahead else sample(s)
-        timings = {"time_wait_rollout": time.perf_counter() - t0}
-        # step s + 1 samples now, with the weights the engines hold: those before this step's update
-        ahead = pool.submit(sample, s + 1) if pool and s + 1 < cfg.steps else None
-        t0 = time.perf_counter()
-        metrics |= make_experience(roles, cfg, rollout, kl_coef, reward_stats, raw)
-        timings["time_make_experience"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        metrics |= train_on(roles.policy, cfg, rollout, train_rng)
-        if roles.critic:
-            metrics |= train_on(roles.critic, cfg, rollout, train_rng)
-        timings["time_train"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        if ahead:
-            ahead.result()  # the engines are done with the old weights before they take the new (raises its error)
-            timings["time_wait_rollout"] += time.perf_counter() - t0
+    try:
+        for s in range(step, cfg.steps):
+            train_rng = random.Random(cfg.seed * 1_000_003 + s)
             t0 = time.perf_counter()
-        roles.sync_weights()
-        timings["time_weight_sync"] = time.perf_counter() - t0
-        step = s + 1
-        kl_coef = adapt_kl(kl_coef, metrics["kl"], cfg)
-        metrics |= timings | {"kl_coef": kl_coef}
-        tracker.log_metrics(metrics, step=step)
-        log.append({"step": step, "loss": metrics["policy_loss"], **metrics, "prompt_ids": [p["id"] for p in batch]})
-        progress.update(step, reward=metrics["reward_mean"], kl=metrics["kl"], clip=metrics["clip_fraction"])
-        if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:  # (the last step's: after the loop)
-            validate(step)
-        if ckpt_dir and step % cfg.checkpoint_every == 0 and step < cfg.steps:
-            checkpoints.save(ckpt_dir, step, roles.trainers,
-                             {"log": log, "kl_coef": kl_coef, "evals": evals,
-                              "order": [p["id"] for p in order], "order_rng": rng.getstate()}
-                             | ({"ahead": sample_state(ahead.result())} if ahead else {}), cfg.keep_checkpoints)
-            checkpointed_best = best_of(evals)[0]
-            keep_best_dirs(best_root, {checkpointed_best})
-    if pool:
-        pool.shutdown()
+            rollout, raw, batch, metrics = ahead.result() if ahead else sample(s)
+            timings = {"time_wait_rollout": time.perf_counter() - t0}
+            # step s + 1 samples now, with the weights the engines hold: those before this step's update
+            ahead = pool.submit(sample, s + 1) if pool and s + 1 < cfg.steps else None
+            t0 = time.perf_counter()
+            metrics |= make_experience(roles, cfg, rollout, kl_coef, reward_stats, raw)
+            timings["time_make_experience"] = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            metrics |= train_on(roles.policy, cfg, rollout, train_rng)
+            if roles.critic:
+                metrics |= train_on(roles.critic, cfg, rollout, train_rng)
+            timings["time_train"] = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            if ahead:
+                ahead.result()  # the engines are done with the old weights before they take the new (raises its error)
+                timings["time_wait_rollout"] += time.perf_counter() - t0
+                t0 = time.perf_counter()
+            roles.sync_weights()
+            timings["time_weight_sync"] = time.perf_counter() - t0
+            step = s + 1
+            kl_coef = adapt_kl(kl_coef, metrics["kl"], cfg)
+            metrics |= timings | {"kl_coef": kl_coef}
+            tracker.log_metrics(metrics, step=step)
+            log.append({"step": step, "loss": metrics["policy_loss"], **metrics, "prompt_ids": [p["id"] for p in batch]})
+            progress.update(step, reward=metrics["reward_mean"], kl=metrics["kl"], clip=metrics["clip_fraction"])
+            if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:  # (the last step's: after the loop)
+                validate(step)
+            if ckpt_dir and step % cfg.checkpoint_every == 0 and step < cfg.steps:
+                checkpoints.save(ckpt_dir, step, roles.trainers,
+                                 {"log": log, "kl_coef": kl_coef, "evals": evals,
+                                  "order": [p["id"] for p in order], "order_rng": rng.getstate()}
+                                 | ({"ahead": sample_state(ahead.result())} if ahead else {}), cfg.keep_checkpoints)
+                checkpointed_best = best_of(evals)[0]
+                keep_best_dirs(best_root, {checkpointed_best})
+    except BaseException:  # an interruption: episodes being played ahead end at their next turn
+        if roles.episodes is not None:
+            roles.episodes.stopping.set()
+        raise
+    finally:
+        if pool:  # the rollout generated ahead ends before the stage does (an interruption shuts Ray down next)
+            pool.shutdown()
 
     validate(step)
     (_, eval_before), (_, eval_after) = evals[0], evals[-1]

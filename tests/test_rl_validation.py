@@ -71,7 +71,7 @@ def driver(tmp_path, monkeypatch):
 
     class Roles:
         def __init__(self, cfg, inputs, total_steps, threads, max_len, tracker):
-            self.policy, self.critic = policies[-1], None
+            self.policy, self.critic, self.episodes = policies[-1], None, None
             self.trainers = {"policy": self.policy}
 
         def sync_weights(self) -> None:
