@@ -15,7 +15,9 @@ from pathlib import Path
 import jsonschema
 import yaml
 
-from runtime.models import LINEAR_LAYERS
+from runtime.judge import JudgeError, check_settings
+from runtime.models import LINEAR_LAYERS, vocabulary_mismatch
+from runtime.remote_reward import check_service, is_remote
 from runtime.rewards import reward_name
 from runtime.tracking import TrackingURIError, check_tracking_uri, config_hash
 from runtime.user_data import first_prompts, is_builtin, is_hub, repo_path
@@ -303,16 +305,17 @@ def check_consistency(config: dict, source: str) -> None:
             raise ConfigError(f"{source}: rl.variants.{name}: rollout_batch_size * n_samples = "
                               f"{rl['rollout_batch_size'] * rl['n_samples']} must be a multiple of batch_size = "
                               f"{rl['batch_size']}")
-        if rl["reward"] not in ("model", None):
-            inherited = "" if "reward" in config["rl"]["variants"][name] else " (inherited from rl.reward)"
-            check_reward_file(rl["reward"], f"{source}: rl.variants.{name}.reward{inherited}", prompts)
+        inherited = lambda key: "" if key in config["rl"]["variants"][name] else f" (inherited from rl.{key})"
+        check_reward(rl["reward"], config, f"{source}: rl.variants.{name}.reward{inherited('reward')}", prompts)
+        if rl["teacher"]:
+            check_teacher(rl["teacher"], config, f"{source}: rl.variants.{name}.teacher{inherited('teacher')}")
     columns = {}  # each reward's column of the results (reward_<file name>): two files may not share one
     for i, reward in enumerate(config["evaluate"]["rewards"]):
-        if reward != "model":
-            check_reward_file(reward, f"{source}: evaluate.rewards.{i}", prompts)
+        check_reward(reward, config, f"{source}: evaluate.rewards.{i}", prompts)
         if (other := columns.setdefault(reward_name(reward), reward)) != reward:
             raise ConfigError(f"{source}: evaluate.rewards: {other!r} and {reward!r} would both be the results' column "
-                              f"{reward_name(reward)!r} (a reward's column is its file's name); rename one of the files")
+                              f"{reward_name(reward)!r} (a reward's column is its file's name, `remote` for any "
+                              "reward service); keep one of them")
     models = dag_models(config)
     for i, model in enumerate(config["evaluate"]["models"]):
         if model not in models:
@@ -332,19 +335,62 @@ def check_consistency(config: dict, source: str) -> None:
 
 
 def check_rewards_without_environment(config: dict, source: str) -> None:
-    """rl.reward null (the rl block's, or a variant's own) leaves an episode's reward to the environment's step
-    rewards: refused without an `environment`."""
+    """rl.reward null (the rl block's, or a variant's own) leaves the reward to an episode's step rewards or a
+    teacher's: refused without an `environment`, where the variant has no teacher either."""
     if config["environment"] is not None:
         return
     rl = config["rl"]
-    keys = ["rl.reward"] * (rl["reward"] is None) + [
-        f"rl.variants.{name}.reward" for name, variant in rl["variants"].items()
-        if "reward" in variant and variant["reward"] is None]
+    untaught = [name for name in rl["variants"] if not rl_variant(config, name)["teacher"]]
+    inherit = [name for name in untaught if "reward" not in rl["variants"][name]]
+    keys = ["rl.reward"] * (rl["reward"] is None and (bool(inherit) or not rl["variants"] and not rl["teacher"])) + [
+        f"rl.variants.{name}.reward" for name in untaught
+        if "reward" in rl["variants"][name] and rl["variants"][name]["reward"] is None]
     if keys:
         raise ConfigError(f"{source}: {' and '.join(keys)} = null: a reward of null (the environment's step rewards "
-                          "alone) needs an `environment` block (environment.path: a Python file defining class "
-                          "Environment); without one give model or a Python file defining reward_fn(prompts, "
-                          "completions, labels)")
+                          "alone, or a teacher's) needs an `environment` block (environment.path: a Python file "
+                          "defining class Environment) or rl.teacher; without either give model, judge, a reward "
+                          "service's URL or a Python file defining reward_fn(prompts, completions, labels)")
+
+
+def check_reward(reward: str | None, config: dict, where: str, prompts: dict | None) -> None:
+    """A reward the config names, as what it is: the judge's settings and model, a reward service that answers
+    (unless remote_reward.check is false), or a reward file (`model`, the reward model, is checked with the data)."""
+    if reward in ("model", None):
+        return
+    if reward == "judge":
+        judge = config["judge"]
+        try:
+            check_settings(judge, "judge")
+        except JudgeError as err:
+            raise ConfigError(f"{where} = judge: {err}") from None
+        if judge["model"] != "base":
+            check_model_dir(judge["model"], f"{where} = judge: judge.model")
+    elif is_remote(reward):
+        settings = config["remote_reward"]
+        if settings["token_env"] and not os.environ.get(settings["token_env"]):
+            raise ConfigError(f"{where} = {reward!r}: remote_reward.token_env names {settings['token_env']}, which is "
+                              "not set in this environment (the jobs read the token from it)")
+        if settings["check"]:
+            key = (reward, json.dumps(prompts, default=str))
+            if key not in _services_checked:
+                sample = prompts or {"prompts": ["What is 2 + 2?"], "labels": [None]}
+                _services_checked[key] = check_service(reward, settings, sample["prompts"], sample["labels"])
+            if _services_checked[key]:
+                raise ConfigError(f"{where}: {_services_checked[key]}")
+    else:
+        check_reward_file(reward, where, prompts)
+
+
+def check_teacher(teacher: str, config: dict, where: str) -> None:
+    """An rl variant's teacher: a model directory whose tokenizer is the policy's, where the policy's is known
+    before anything runs (a model.path directory, or sft.from; otherwise the rl stage checks it as it starts)."""
+    check_model_dir(teacher, where)
+    student = config["sft"]["from"] or config["model"]["path"]
+    if student and not is_hub(student) and (problem := vocabulary_mismatch(repo_path(student), repo_path(teacher))):
+        raise ConfigError(f"{where}: {problem}")
+
+
+_services_checked: dict = {}  # (url, prompts) -> the problem found, or None: each once per process
 
 
 def read_json_file(path: Path, where: str) -> dict:
@@ -601,8 +647,15 @@ def preprocess_params(config: dict, dataset: str) -> dict:
 def rl_variant(config: dict, name: str) -> dict:
     """The settings of one RL run: the rl block's keys overridden by the variant's own (rl.vllm key by key), and the
     `environment` its episodes run against (None: single-turn)."""
-    return deep_merge({k: v for k, v in config["rl"].items() if k != "variants"}, config["rl"]["variants"][name]) | {
-        "environment": config["environment"]}
+    variant = deep_merge({k: v for k, v in config["rl"].items() if k != "variants"}, config["rl"]["variants"][name])
+    return variant | {"environment": config["environment"]} | reward_settings(config, [variant["reward"]])
+
+
+def reward_settings(config: dict, rewards: list) -> dict:
+    """The blocks that say how `rewards` score, for the stages that call them (their cache key): `judge` where one is
+    judge, `remote_reward` where one is a reward service's URL (None where none is)."""
+    return {"judge": config["judge"] if "judge" in rewards else None,
+            "remote_reward": config["remote_reward"] if any(map(is_remote, rewards)) else None}
 
 
 def stage_jobs(config: dict):
@@ -645,7 +698,8 @@ def evaluate_params(config: dict) -> dict:
     """The evaluate block as one evaluation reads it: without `models` (each job's own model is its wildcard), so that
     adding a model to the table reruns no other model's evaluation; with the `environment` whose episodes it scores
     (None: none)."""
-    return {k: v for k, v in config["evaluate"].items() if k != "models"} | {"environment": config["environment"]}
+    return {k: v for k, v in config["evaluate"].items() if k != "models"} | {"environment": config["environment"]} | \
+        reward_settings(config, config["evaluate"]["rewards"])
 
 
 def report_params(config: dict) -> dict:

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from launcher.config import ConfigError, results_root, stage_jobs
 from launcher.resources import stage_resources
+from runtime.judge import JUDGE_CONTEXT
 from runtime.user_data import is_hub, repo_path
 
 # Decimal GB throughout; that understates both an "80 GB" GPU's 80 GiB and Slurm's --mem (GiB), so it errs safe.
@@ -317,6 +318,13 @@ def spread_gb(m: ModelSize, gpus: int) -> float:
     return min(whole, whole / gpus + 1.25 * largest)
 
 
+def judge_size(judge: dict, sizes: dict) -> ModelSize:
+    """The judge model's size: the base model's, or judge.model's directory's."""
+    if judge["model"] == "base":
+        return sizes["base"]
+    return ModelSize.from_config(read_model_config(judge["model"], "judge.model"), "judge.model")
+
+
 def _evaluate_estimate(params: dict, config: dict, sizes: dict, g: int, gpu_gb: float) -> Estimate:
     ev, data = params["evaluate"], config["data"]
     vllm = ev["vllm"]
@@ -354,6 +362,10 @@ def _evaluate_estimate(params: dict, config: dict, sizes: dict, g: int, gpu_gb: 
         gpu["scorer GPU: reward model scores"] = {"reward model (bf16, spread)": spread_gb(sizes["reward"], g)} | \
             context | {"forward pass": forward_gb(sizes["reward"], SCORE_BATCH, samples_seq)}
         loaded.append(sizes["reward"])
+    if "judge" in ev["rewards"]:  # its engines between the evaluated model's and the scorer (stages/evaluate.judged)
+        gpu["judge vLLM GPU: verdicts"] = vllm_items(judge_size(ev["judge"], sizes), ev["judge"]["vllm"],
+                                                     vllm_share(ev["judge"]["vllm"], False) * gpu_gb, JUDGE_CONTEXT,
+                                                     "judge.vllm", notes)
     # Each model loads into CPU memory before its layers go to the GPUs; one at a time.
     host = {"generation": {"processes": HOST_PER_PROCESS_GB * min(engine_gpus, g)},
             "scoring": {"processes": HOST_PER_PROCESS_GB,
@@ -369,7 +381,9 @@ def _rl_estimate(rl: dict, data: dict, sizes: dict, g: int, gpu_gb: float) -> Es
     critic, reward_model, sleep = rl["estimator"] == "gae", rl["reward"] == "model", vllm["sleep"]
     seq, new = data["max_prompt_tokens"] + rl["max_new_tokens"], rl["max_new_tokens"]
     sharded = rl["zero_stage"] == 3 and F > 1  # runtime/rl_actors.FrozenScorer: ZeRO-3 inference across the ranks
-    frozen_models = {"reference": m} | ({"reward model": rm} if reward_model else {})
+    teacher = rl["teacher"] and ModelSize.from_config(read_model_config(rl["teacher"], "rl.teacher"), "rl.teacher")
+    frozen_models = {"reference": m} | ({"reward model": rm} if reward_model else {}) | \
+        ({"teacher": teacher} if teacher else {})
     frozen = {f"{name} (bf16{', sharded' if sharded else ''})": width * size.params / (F if sharded else 1) / GB
               for name, size in frozen_models.items()}
     buffers = deepspeed_buffers_gb(m, rl["zero_stage"])
@@ -391,7 +405,7 @@ def _rl_estimate(rl: dict, data: dict, sizes: dict, g: int, gpu_gb: float) -> Es
     if rl["colocate"]:
         share = vllm_share(vllm, shares_gpu=True) * gpu_gb
         engine = vllm_items(m, vllm, share, max_model_len, "rl.vllm", notes)
-        roles = 3 + critic + reward_model  # policy, reference, vLLM worker, critic, reward model: one process each
+        roles = 3 + critic + len(frozen_models) - 1  # policy, reference, vLLM worker, critic, reward model, teacher
         # the roles compute one at a time (stages/rl.py, runtime/experience.py): one role's DeepSpeed buffers
         held = states | frozen | {"DeepSpeed buffers": buffers, "CUDA contexts": CUDA_CONTEXT_GB * roles}
         awake = {} if sleep else engine  # vllm.sleep: vLLM frees its weights and KV cache while the others work
@@ -419,27 +433,36 @@ def _rl_estimate(rl: dict, data: dict, sizes: dict, g: int, gpu_gb: float) -> Es
                 own["DeepSpeed buffers"] = deepspeed_buffers_gb(size, 3)
             return own | (logprobs_pass if lm_head else {"forward pass": forward_gb(size, forward_rows, seq, width)})
 
-        reference, *reward = frozen
+        names = dict(zip(frozen_models, frozen))  # reference, reward model, teacher -> the frozen entry's name
         gpu = {"policy GPU: training": policy | policy_step,
                "policy GPU: log-probs": policy | logprobs_pass,
-               "reference GPU: log-probs": frozen_gpu(reference, m, lm_head=True),
+               "reference GPU: log-probs": frozen_gpu(names["reference"], m, lm_head=True),
                "vLLM GPU: generation": engine}
-        if reward:
-            gpu["reward model GPU: scores"] = frozen_gpu(reward[0], rm, lm_head=False)
+        if reward_model:
+            gpu["reward model GPU: scores"] = frozen_gpu(names["reward model"], rm, lm_head=False)
+        if teacher:
+            gpu["teacher GPU: log-probs"] = frozen_gpu(names["teacher"], teacher, lm_head=True)
         if critic:  # the critic's value head has one output: no logits
             gpu["critic GPU: training"] = policy | {"activations": policy_step["activations"]}
-    host = _rl_host(rl, m, rm, g, critic, reward_model, engine_gpus)
+    judge_gpus = 0
+    if rl["reward"] == "judge":  # the judge's engines, on GPUs of their own (runtime/rl_actors.Roles)
+        judge = rl["judge"]
+        gpu["judge vLLM GPU: verdicts"] = vllm_items(judge_size(judge, sizes), judge["vllm"], vllm_share(judge["vllm"], False) * gpu_gb,
+                                                     JUDGE_CONTEXT, "judge.vllm", notes)  # (its most)
+        judge_gpus = judge["vllm"]["num_engines"] * judge["vllm"]["tensor_parallel_size"]
+    largest = max(frozen_models.values(), key=lambda size: size.params)
+    host = _rl_host(rl, m, largest, g, critic, len(frozen_models) - 1, engine_gpus + judge_gpus)
     return Estimate(gpu, host, notes)
 
 
-def _rl_host(rl: dict, m: ModelSize, rm: ModelSize, g: int, critic: bool, reward_model: bool,
+def _rl_host(rl: dict, m: ModelSize, largest_frozen: ModelSize, g: int, critic: bool, scorers: int,
              engine_gpus: int) -> dict:
     """The rl job's fullest node. Colocated, GPU i holds rank i of every role, so the first node holds min(count,
     GPUs per node) ranks of each; on GPUs of their own, a node holds any gpus_per_node of the processes, counted here
     with as many trainer ranks as fit (they hold the most). The roles load one after another
     (runtime/rl_actors.Roles): one role's loading at a time."""
     W, F, width = rl["num_workers"], rl["frozen_ranks"], value_bytes(rl)
-    trainers, frozen_roles = 1 + critic, 1 + reward_model
+    trainers, frozen_roles = 1 + critic, 1 + scorers  # scorers: a reward model and a teacher beside the reference
     if rl["colocate"]:
         processes = trainers * min(W, g) + frozen_roles * min(F, g) + min(engine_gpus, g)
         trainer_ranks = trainers * min(W, g)
@@ -452,7 +475,7 @@ def _rl_host(rl: dict, m: ModelSize, rm: ModelSize, g: int, critic: bool, reward
         loads["a trainer's ranks loading the model on the CPU first"] = width * m.params * min(W, g) / GB
     if rl["zero_stage"] != 3 or F == 1:  # not sharded: each frozen rank loads a whole copy
         loads["a frozen model's ranks loading it on the CPU first"] = \
-            width * max(m.params, rm.params) * min(F, g) / GB
+            width * largest_frozen.params * min(F, g) / GB
     load = on_node | (dict([max(loads.items(), key=lambda item: item[1])]) if loads else {})
     train = dict(on_node)
     if rl["offload_optimizer"]:

@@ -154,6 +154,9 @@ def stage_resources(stage: str, launcher: dict, profile: dict | None = None) -> 
     return resources, sources
 
 
+JUDGE_ROLE = "judge vLLM"
+
+
 def gpus_needed(stage: str, block: dict) -> dict[str, int]:
     """The GPUs each role of a stage's job takes on a GPU cluster (one per DeepSpeed rank, frozen-model rank and
     engine GPU; evaluation's scorer one at least, after the engines: it takes every GPU of its node)."""
@@ -165,9 +168,17 @@ def gpus_needed(stage: str, block: dict) -> dict[str, int]:
             roles["critic"] = block["num_workers"]
         if block.get("reward", "model") == "model":
             roles["reward model"] = block.get("frozen_ranks", 1)
+        if block.get("teacher"):
+            roles["teacher"] = block.get("frozen_ranks", 1)
+        if block.get("reward") == "judge":  # GPUs of their own, colocated or not (runtime/rl_actors.Roles)
+            judge = block["judge"]["vllm"]
+            roles[JUDGE_ROLE] = judge["num_engines"] * judge["tensor_parallel_size"]
         return roles
     if stage in ("evaluate", "benchmark"):
-        return {"vLLM": engines, "scorer": 1}
+        roles = {"vLLM": engines, "scorer": 1}
+        if "judge" in block.get("rewards", []):  # its engines in turn with the others (stages/evaluate.judged)
+            roles["judge"] = block["judge"]["vllm"]["num_engines"] * block["judge"]["vllm"]["tensor_parallel_size"]
+        return roles
     return {"trainer": block["num_workers"]} if "num_workers" in block else {}
 
 
@@ -213,11 +224,12 @@ def check_fits(stage: str, params: dict, resources: dict, sources: dict) -> None
     # evaluation's scorer starts once its engines are gone, on their GPUs (stages/evaluate.py)
     how = "colocated: the largest role" if shared else "in turn: the largest role" if stage in ("evaluate", "benchmark") \
         else "summed"
-    needed = sum(roles.values()) if how == "summed" else max(roles.values())
+    shared_roles = [count for role, count in roles.items() if role != JUDGE_ROLE]
+    needed = (sum(shared_roles) if how == "summed" else max(shared_roles)) + roles.get(JUDGE_ROLE, 0)
     if needed > resources["nodes"] * gpus:
         parts = ", ".join(f"{role} {count}" for role, count in roles.items())
         raise LaunchConfigError(
-            f"stage {stage} needs {needed} GPUs ({parts}; {how}), "
+            f"stage {stage} needs {needed} GPUs ({parts}; {how}{', the judge besides' if JUDGE_ROLE in roles else ''}), "
             f"but its job has {where} {gpus} GPUs ({sources['gpus_per_node']}) = {resources['nodes'] * gpus}; "
             f"raise those or lower the stage's num_workers / frozen_ranks / vllm.num_engines")
     tp, engines = vllm.get("tensor_parallel_size", 1), vllm.get("num_engines", 1)

@@ -202,6 +202,15 @@ def score(roles, rollout: Rollout) -> list[float]:
     return scores
 
 
+def teacher_log_ratio(roles, rollout: Rollout, policy_logp: torch.Tensor) -> torch.Tensor:
+    """(B, T) log pi_teacher(y_t) - log pi_policy(y_t) at each sampled token, 0 off the mask: on-policy distillation's
+    per-token reward, the negative of the reverse KL's per-token estimate (GKD, Agarwal et al. 2024, with the
+    student's samples; Thinking Machines' "On-Policy Distillation", 2025). The teacher's log-probs are taken at the
+    sampling temperature, as the policy's."""
+    teacher = torch.cat(split_call(roles.teacher, "logprobs", rollout))
+    return (teacher - policy_logp) * rollout.mask
+
+
 def trains_once(cfg) -> bool:
     """Is each rollout trained on in one optimizer step, by the weights that sampled it? Then the policy's old
     log-probs are the training forward's own, detached (as in TRL's GRPO with num_iterations=1), and need no pass
@@ -266,6 +275,10 @@ def make_experience(roles, cfg, rollout: Rollout, kl_coef: float, reward_stats: 
     token_rewards = place_rewards(rollout, scores, bool(cfg.environment and cfg.environment["turn_rewards"]))
     if cfg.kl_in_reward:
         token_rewards = token_rewards - kl_coef * kl
+    if roles.teacher is not None:  # a dense reward: the teacher's log-ratio at every sampled token
+        log_ratio = teacher_log_ratio(roles, rollout, sampled)
+        token_rewards = token_rewards + cfg.teacher_coef * log_ratio
+        metrics["teacher_kl"] = -log_ratio.sum(-1).mean().item()
     if roles.critic is not None:
         rollout.old_values = torch.cat(split_call(roles.critic, "values", rollout))
     advantages, returns = compute_advantages(cfg.estimator, token_rewards, mask, cfg.n_samples, rollout.old_values,

@@ -93,6 +93,19 @@ def load_tokenizer(path):
     return tokenizer
 
 
+def vocabulary_mismatch(student_dir, teacher_dir) -> str | None:
+    """Why a teacher cannot score a student's samples token by token (on-policy distillation compares their
+    log-probs of the same token ids): their tokenizers' vocabularies differ. None where they are the same."""
+    student, teacher = load_tokenizer(student_dir).get_vocab(), load_tokenizer(teacher_dir).get_vocab()
+    if student == teacher:
+        return None
+    differ = sorted(set(student.items()) ^ set(teacher.items()), key=lambda item: item[1])[:3]
+    return (f"the teacher {teacher_dir}'s tokenizer ({len(teacher)} tokens) is not the student {student_dir}'s "
+            f"({len(student)} tokens; e.g. {', '.join(f'{t!r}: {i}' for t, i in differ)} in one and not the other): "
+            "distillation compares the two models' log-probs of the same token ids; give a teacher with the "
+            "student's tokenizer")
+
+
 def end_of_turn(tokenizer) -> str:
     """The text that ends an assistant's turn: what the chat template writes after a reply (ChatML: <|im_end|>),
     or, for a model without a chat template, its EOS token. A response learns to end with it, and generation

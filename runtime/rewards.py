@@ -17,8 +17,11 @@ class RewardFileError(ValueError):
 
 
 def reward_name(reward: str) -> str:
-    """A reward's name in metrics and tables (reward_<name>): reward_model for `model`, else the file's name."""
-    return "reward_model" if reward == "model" else Path(reward).stem
+    """A reward's name in metrics and tables (reward_<name>): reward_model for `model`, judge for `judge`, remote for
+    a reward service's URL, else the file's name."""
+    if reward in ("model", "judge"):
+        return {"model": "reward_model", "judge": "judge"}[reward]
+    return "remote" if reward.startswith(("http://", "https://")) else Path(reward).stem
 
 
 def import_user_file(path: Path, error: type, what: str, kind: str):

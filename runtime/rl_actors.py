@@ -14,12 +14,14 @@ from runtime.actor_group import (ActorGroup, actor_threads, bundles, check_gpus_
 from runtime.environments import EpisodeRunner
 from runtime.deepspeed_strategy import DeepSpeedWorker, Rank, inference_ds_config
 from runtime.experience import Rollout
+from runtime.judge import Judge, greedy_verdicts, judge_context
 from runtime.logprobs import (entropy_from_logits, forward_tokens, on_device, response_logits, response_logprobs,
                               token_logprobs)
 from runtime.models import (device, load_causal_lm, load_reward_model, load_tokenizer, load_value_model, model_dtype,
-                            release_cached_memory)
+                            release_cached_memory, vocabulary_mismatch)
+from runtime.remote_reward import RemoteReward, is_remote
 from runtime.rewards import load_reward_fn
-from runtime.rollout import start_engines
+from runtime.rollout import generate_on, start_engines
 
 ROLE_CPUS = 0.25  # colocated roles share the job's cores; Ray CPU counts only place them
 
@@ -185,6 +187,8 @@ class Roles:
         policy_dir = str(inputs["model"])
         wants_critic = cfg.estimator == "gae"
         wants_reward = cfg.reward == "model"
+        if cfg.teacher and (problem := vocabulary_mismatch(policy_dir, inputs["teacher"])):
+            raise ValueError(f"rl.teacher: {problem}")
         tp = cfg.vllm["tensor_parallel_size"]
         if tp > 1 and not self.gpus:
             raise ValueError(f"rl.vllm.tensor_parallel_size = {tp} splits an engine over GPUs; this job has none")
@@ -194,7 +198,7 @@ class Roles:
         # Placement: CPU shares of the job's cores, or GPUs (one per rank, shared by every role when colocated).
         shared, gpu = None, 0
         if self.gpus:
-            roles = 3 + wants_critic + wants_reward  # policy, reference, engines, critic?, reward?
+            roles = 3 + wants_critic + wants_reward + bool(cfg.teacher)  # policy, reference, engines, critic?, ...
             width = max(cfg.num_workers, cfg.frozen_ranks, cfg.vllm["num_engines"] * tp)
             if cfg.colocate:
                 shared = reserve(bundles(width, 1, 1), "PACK", f"{width} GPUs shared by the rl stage's roles")
@@ -202,7 +206,8 @@ class Roles:
             else:
                 gpu = 1
         # Colocated on CPU, every actor takes an equal share of the job's cores (at most ROLE_CPUS) so that all fit.
-        actors = cfg.num_workers * (1 + wants_critic) + cfg.frozen_ranks * (1 + wants_reward) + cfg.vllm["num_engines"]
+        actors = cfg.num_workers * (1 + wants_critic) + cfg.frozen_ranks * (1 + wants_reward + bool(cfg.teacher)) + \
+            cfg.vllm["num_engines"] + (cfg.judge["vllm"]["num_engines"] if cfg.reward == "judge" else 0)
         cpu_share = min(ROLE_CPUS, int(100 * ray.cluster_resources().get("CPU", 1) / actors) / 100)
         cpus = 1 if not cfg.colocate else 0 if shared else cpu_share
         # The frozen models' and engines' torch threads: the CPUs each reserves, or the job's where roles take turns.
@@ -232,8 +237,22 @@ class Roles:
         frozen = lambda model_dir, kind: self._frozen(cfg, model_dir, kind, role_threads, cpus, gpu, shared, tracker)
         self.reference = frozen(policy_dir, "policy")
         self.reward_model = frozen(str(inputs["reward_model"]), "reward") if wants_reward else None
-        self.reward_file = None if wants_reward else inputs.get("reward_file")  # (none: an environment's rewards only)
-        self.reward_fn = self.reward_file and load_reward_fn(self.reward_file)
+        self.teacher = frozen(str(inputs["teacher"]), "policy") if cfg.teacher else None
+        # A reward function: a reward file's, a reward service, or the judge (None: the reward model, or no reward:
+        # an environment's step rewards or the teacher's alone); reward_file names it in errors.
+        self.reward_file = self.reward_fn = self.judge_engines = None
+        if cfg.reward == "judge":
+            context = judge_context(inputs["judge_model"])
+            self.judge_engines = start_engines(str(inputs["judge_model"]), cfg.seed, context, cfg.judge["vllm"],
+                                               engine_threads, cpus, self.gpus,
+                                               model_dtype(cfg.precision) if self.gpus else "float32")
+            verdicts = greedy_verdicts(lambda *args: generate_on(self.judge_engines, *args), context)
+            self.reward_file, self.reward_fn = "judge", Judge(cfg.judge, load_tokenizer(inputs["judge_model"]), verdicts)
+        elif is_remote(cfg.reward):
+            self.reward_file, self.reward_fn = cfg.reward, RemoteReward(cfg.reward, cfg.remote_reward)
+        elif cfg.reward != "model" and cfg.reward:
+            self.reward_file = inputs["reward_file"]
+            self.reward_fn = load_reward_fn(self.reward_file)
         self.episodes = EpisodeRunner(cfg.environment, inputs["environment_file"], load_tokenizer(policy_dir),
                                       max_len) if cfg.environment else None
         if self.gpus:
@@ -244,6 +263,14 @@ class Roles:
         self.weight_mode = "memory" if not self.gpus else ("ipc" if cfg.colocate else "nccl")
         if self.weight_mode == "nccl":
             self._init_weight_group(tp)
+
+    def reward_counts(self) -> dict:
+        """What scoring counted so far: the judge's verdicts without a score, a reward service's retries."""
+        if isinstance(self.reward_fn, Judge):
+            return {"judge_scored": self.reward_fn.rows, "judge_unparsed": self.reward_fn.unparsed}
+        if isinstance(self.reward_fn, RemoteReward):
+            return {"remote_requests": self.reward_fn.requests, "remote_retries": self.reward_fn.retries}
+        return {}
 
     @staticmethod
     def _frozen(cfg, model_dir: str, kind: str, threads: int, cpus: float, gpu: float, shared, tracker) -> ActorGroup:

@@ -1,7 +1,7 @@
 """Stage `evaluate`: sample held-out prompts with vLLM and score the samples.
 
-Metrics (metrics.json, and MLflow): each reward of `evaluate.rewards` (a reward file's reward_fn, or `model`, the
-reward model's score) as reward_<name> (mean) and reward_<name>_std, the first of them also as reward_mean; KL to the
+Metrics (metrics.json, and MLflow): each reward of `evaluate.rewards` (a reward file's reward_fn, `model`, the
+reward model's score, `judge`, an LLM judge's, or a reward service's URL) as reward_<name> (mean) and reward_<name>_std, the first of them also as reward_mean; KL to the
 reference (base) model, response length, and perplexity of the held-out SFT responses; samples.jsonl keeps a few
 generations to read.
 
@@ -36,7 +36,9 @@ from runtime.actor_group import actor_threads, check_gpus_shareable, cluster_gpu
 from runtime.environments import EpisodeRunner, context_length, summarise
 from runtime.logprobs import (LOGITS_CHUNK_BYTES, logit_chunks, on_device, pad_prompt_response, response_logits,
                               token_logprobs)
+from runtime.judge import Judge, greedy_verdicts, judge_context
 from runtime.models import load_causal_lm, load_reward_model, load_tokenizer, model_dtype, release_cached_memory
+from runtime.remote_reward import RemoteReward, is_remote
 from runtime.rewards import call_reward_fn, load_reward_fn, reward_name
 from runtime.rollout import VLLMEngine, generate_on, sampling_seed, start_engines
 from runtime.user_data import repo_path
@@ -61,6 +63,8 @@ class Config:
     vllm: dict  # the schema's evaluate.vllm: engines and their GPUs
     seed: int
     environment: dict | None = None  # the experiment's environment block: its episodes are evaluated
+    judge: dict | None = None  # the judge block, where a reward is judge (runtime/judge.py)
+    remote_reward: dict | None = None  # how a reward service is called, where a reward is a URL
 
     @classmethod
     def from_params(cls, params: dict) -> "Config":
@@ -196,6 +200,24 @@ def sample_or_play(generate, runner, rows: list[dict], prompt_ids: list[list[int
             for e, stats in episodes]
 
 
+def judged(cfg: Config, judge_dir: str, on_ray: bool, threads: int, rows: list[dict], samples: list) -> tuple:
+    """The judge's scores of the samples' replies and the Judge (its counts): its engines start once the evaluated
+    model's are gone, and are gone before the scorer's models load."""
+    context = judge_context(judge_dir)
+    if on_ray:
+        engines = start_engines(judge_dir, cfg.seed, context, cfg.judge["vllm"], threads, 1, cluster_gpus() > 0,
+                                engine_cls=Engine)
+        generate = lambda *args: generate_on(engines, *args)
+    else:
+        engine = Engine(judge_dir, cfg.seed, context, cfg.judge["vllm"], threads)
+        generate = engine.generate
+    judge = Judge(cfg.judge, load_tokenizer(judge_dir), greedy_verdicts(generate, context))
+    scores = judge([r["prompt"] for r in rows], [s[0]["text"] for s in samples], [r["label"] for r in rows])
+    if on_ray:
+        stop_engines(engines)
+    return scores, judge
+
+
 def node_gpus() -> int:
     """The GPUs of the stage's largest node: all that one process, the scorer, can spread its models over."""
     return int(max((node["Resources"].get("GPU", 0) for node in ray.nodes() if node["Alive"]), default=0))
@@ -210,7 +232,8 @@ def run(cfg: Config, inputs: dict, output: Path, tracker) -> None:
     max_len = context_length(max(map(len, prompt_ids)), cfg.max_new_tokens, cfg.environment,
                              inputs["model"])
     runner = cfg.environment and EpisodeRunner(cfg.environment, inputs["environment_file"], tokenizer, max_len)
-    reward_fns = {reward: load_reward_fn(repo_path(reward)) for reward in cfg.rewards if reward != "model"}
+    reward_fns = {reward: RemoteReward(reward, cfg.remote_reward) if is_remote(reward) else
+                  load_reward_fn(repo_path(reward)) for reward in cfg.rewards if reward not in ("model", "judge")}
 
     print(f"[evaluate] {cfg.model}: generating {len(rows)} prompts x {cfg.max_new_tokens} tokens with vLLM", flush=True)
     sampling = (1, cfg.temperature, cfg.top_p, cfg.max_new_tokens, sampling_seed(cfg.seed, "evaluate"))
@@ -229,15 +252,19 @@ def run(cfg: Config, inputs: dict, output: Path, tracker) -> None:
         generate = lambda ids, seeds=None, max_tokens=None: generate_on(
             engines, ids, *sampling[:3], max_tokens or sampling[3], sampling[4], seeds=seeds)
         samples = sample_or_play(generate, runner, rows, prompt_ids, sampling)
-        stop_engines(engines)  # their GPUs, KV caches and cores go to the scorer
-        scorer = scorer or new_scorer()
-        call = lambda method, *args, **kwargs: ray.get(getattr(scorer, method).remote(*args, **kwargs))
+        stop_engines(engines)  # their GPUs, KV caches and cores go to the judge, then the scorer
     else:  # one engine gives the samples of several (each request keeps its own seed: runtime/rollout.py)
         engine = Engine(str(inputs["model"]), cfg.seed, max_len, cfg.vllm, threads)
         generate = lambda ids, seeds=None, max_tokens=None: engine.generate(
             ids, *sampling[:3], max_tokens or sampling[3], sampling[4], seeds=seeds)
         samples = sample_or_play(generate, runner, rows, prompt_ids, sampling)
-        del engine  # its KV cache, before the scorer's models load
+        del engine  # its KV cache, before the judge's engine and the scorer's models load
+    judging = judged(cfg, str(inputs["judge_model"]), on_ray, threads, rows, samples) \
+        if "judge" in cfg.rewards else None
+    if on_ray:
+        scorer = scorer or new_scorer()
+        call = lambda method, *args, **kwargs: ray.get(getattr(scorer, method).remote(*args, **kwargs))
+    else:
         scorer = Scorer(tokenizer.pad_token_id, threads)
         call = lambda method, *args, **kwargs: getattr(scorer, method)(*args, **kwargs)
     completions = [s[0] for s in samples]
@@ -250,6 +277,8 @@ def run(cfg: Config, inputs: dict, output: Path, tracker) -> None:
             responses = [c["token_ids"] or [tokenizer.pad_token_id] for c in completions]  # an empty one still scores
             call("hold", reward_model_dir=str(inputs["reward_model"]))
             scores["reward_model"] = call("reward_model_scores", prompt_ids, responses)
+        elif reward == "judge":
+            scores["judge"] = judging[0]
         else:
             scores[reward_name(reward)] = call_reward_fn(reward_fns[reward], reward, [r["prompt"] for r in rows], texts,
                                                          [r["label"] for r in rows])
@@ -282,6 +311,8 @@ def run(cfg: Config, inputs: dict, output: Path, tracker) -> None:
     if runner:  # the episodes' success rate, reward (the sum of their step rewards), turns and what went wrong
         metrics |= {"env_" + key.removeprefix("env_"): value
                     for key, value in summarise([c["episode"] for c in completions]).items()}
+    if judging:
+        metrics["judge_unparsed"] = judging[1].unparsed
     if references is not None:
         nll = -sum(lp for lp, _, _ in references) / sum(n for _, _, n in references)
         metrics["perplexity"] = float(torch.tensor(nll).exp())

@@ -53,13 +53,19 @@ class Config:
                    data=params["data"], stages=params["stages"], given=params["given"], variants=params["variants"])
 
 
-def describe_reward(reward: str | None) -> str:
+def describe_reward(reward: str | None, teacher: str | None = None) -> str:
     """`model`, or a reward file's path with the first line of its docstring; None (an rl variant's reward with an
-    environment): the environment's step rewards."""
+    environment or a teacher): the environment's step rewards; the judge; a reward service; and a variant's teacher."""
+    if teacher:
+        return f"the teacher {teacher}'s per-token log-ratio" + (f" plus {describe_reward(reward)}" if reward else "")
     if reward is None:
         return "the environment's step rewards"
     if reward == "model":
         return "the reward model's score"
+    if reward == "judge":
+        return "an LLM judge's score (the `judge` block)"
+    if reward.startswith(("http://", "https://")):
+        return f"the reward service at {reward}"
     doc = ast.get_docstring(ast.parse(repo_path(reward).read_text())) or ""
     return f"`{reward}`" + (f": {doc.splitlines()[0]}" if doc else "")
 
@@ -205,7 +211,7 @@ def run(cfg: Config, inputs: dict, output: Path, tracker) -> None:
         tracker.log_metrics({"reward_model_accuracy": rm["eval_accuracy"]})
     if rl_runs:
         start = "SFT policy" if cfg.stages["sft"] else "base model"
-        sections += (f"\n## RL\n\nThe RL reward ({', '.join(sorted({describe_reward(v['reward']) for v in cfg.variants.values()}))}) "
+        sections += (f"\n## RL\n\nThe RL reward ({', '.join(sorted({describe_reward(v['reward'], v.get('teacher')) for v in cfg.variants.values()}))}) "
                      f"on held-out prompts, for the {start} each run starts from and for the trained policy.\n\n"
                      + tables.markdown(rl_rows, tables.RL_COLUMNS) + "\n")
     if bench_columns:

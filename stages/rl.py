@@ -38,9 +38,11 @@ import ray
 from runtime import checkpoints, data, trainer
 from runtime.actor_group import ActorGroup
 from runtime.environments import context_length
-from runtime.experience import Rollout, episode_metrics, informative_groups, make_experience, roll, score
+from runtime.experience import (Rollout, episode_metrics, informative_groups, make_experience, roll, score,
+                                 teacher_log_ratio)
 from runtime.models import load_tokenizer
 from runtime.progress import Progress, beat
+from runtime.remote_reward import RemoteRewardError
 from runtime.rl_actors import Roles
 from runtime.rollout import sampling_seed
 
@@ -81,7 +83,9 @@ class Config(trainer.TrainerConfig):
     normalize_reward: bool
     reward_clip: float | None
     is_cap: float | None
-    reward: str | None  # model, a reward file, or None (an environment's rewards only)
+    reward: str | None  # model, judge, a reward service's URL, a reward file, or None (an environment's or teacher's)
+    teacher: str | None  # on-policy distillation: the teacher's directory (the input `teacher`)
+    teacher_coef: float
     colocate: bool
     eval_prompts: int
     eval_every: int
@@ -89,6 +93,8 @@ class Config(trainer.TrainerConfig):
     frozen_ranks: int
     vllm: dict  # the schema's rl.vllm: engines, tensor parallelism, memory, sleep
     environment: dict | None = None  # the experiment's environment block: multi-turn episodes (runtime/environments.py)
+    judge: dict | None = None  # the judge block, where reward is judge (runtime/judge.py)
+    remote_reward: dict | None = None  # how a reward service is called, where reward is a URL (runtime/remote_reward.py)
 
     @classmethod
     def from_params(cls, params: dict) -> "Config":
@@ -165,9 +171,12 @@ def adapt_kl(kl_coef: float, kl: float, cfg: Config) -> float:
 
 def held_out_reward(roles: Roles, cfg: Config, prompts: list[dict]) -> dict:
     """Mean RL reward of n_samples responses (or episodes) to each held-out prompt, the same seeds before and after
-    training: eval_reward, and for episodes their success rate and turns (eval_success, eval_turns)."""
+    training: eval_reward, for episodes their success rate and turns (eval_success, eval_turns), with a teacher the
+    reverse KL to it per response (eval_teacher_kl: the sum over its tokens of log pi_policy - log pi_teacher)."""
     rollout = roll(roles, prompts, cfg.n_samples, cfg, sampling_seed(cfg.seed, "held-out"), cfg.temperature)
     metrics = {"eval_reward": statistics.fmean(score(roles, rollout))}
+    if roles.teacher is not None:
+        metrics["eval_teacher_kl"] = -teacher_log_ratio(roles, rollout, rollout.rollout_logp).sum(-1).mean().item()
     if rollout.episodes:
         episodes = episode_metrics(rollout)
         metrics |= {"eval_success": episodes["episode_success"], "eval_turns": episodes["episode_turns"]}
@@ -214,14 +223,20 @@ def run(cfg: Config, inputs: dict, output: Path, tracker) -> None:
     # if the stage fails), whence the best is moved into place at the end.
     best_root = (ckpt_dir or output) / "best"
     evals = []  # [step, held-out reward]: the validation curve
+    teacher_kls = []  # [step, held-out reverse KL to the teacher] (rl.teacher)
     checkpointed_best = None  # the best step that the latest checkpoint names: its policy must stay until a later one
 
     def validate(s: int) -> None:
         """Score the held-out prompts with the policy after s steps; save it if it is the best yet (keep: best; the
         final policy goes to the output at the end)."""
-        held_out = held_out_reward(roles, cfg, eval_prompts)
+        try:
+            held_out = held_out_reward(roles, cfg, eval_prompts)
+        except RemoteRewardError as err:  # which scoring the service left undone
+            raise RemoteRewardError(f"rl/{cfg.name}, the held-out reward after step {s}: {err}") from None
         reward = held_out["eval_reward"]
         evals.append([s, reward])
+        if "eval_teacher_kl" in held_out:
+            teacher_kls.append([s, held_out["eval_teacher_kl"]])
         tracker.log_metrics(held_out, step=s)
         best_step, best_reward = best_of(evals)
         print(f"[rl/{cfg.name}] step {s}/{cfg.steps} held-out reward {reward:.4f} (best {best_reward:.4f} at step "
@@ -235,7 +250,7 @@ def run(cfg: Config, inputs: dict, output: Path, tracker) -> None:
     rng, order = random.Random(cfg.seed), []  # the prompts' order: passes over them, each seeded
     if resumed := checkpoints.resume(ckpt_dir, roles.trainers, "rl"):
         step, state = resumed
-        log, kl_coef, evals = state["log"], state["kl_coef"], state["evals"]
+        log, kl_coef, evals, teacher_kls = state["log"], state["kl_coef"], state["evals"], state.get("teacher_kls", [])
         # A best saved after the checkpoint is the interrupted run's: this run scores those steps again.
         checkpointed_best = best_of(evals)[0]
         keep_best_dirs(best_root, {checkpointed_best})
@@ -295,7 +310,7 @@ def run(cfg: Config, inputs: dict, output: Path, tracker) -> None:
             timings["time_weight_sync"] = time.perf_counter() - t0
             step = s + 1
             kl_coef = adapt_kl(kl_coef, metrics["kl"], cfg)
-            metrics |= timings | {"kl_coef": kl_coef}
+            metrics |= timings | {"kl_coef": kl_coef} | roles.reward_counts()
             tracker.log_metrics(metrics, step=step)
             log.append({"step": step, "loss": metrics["policy_loss"], **metrics, "prompt_ids": [p["id"] for p in batch]})
             progress.update(step, reward=metrics["reward_mean"], kl=metrics["kl"], clip=metrics["clip_fraction"])
@@ -303,14 +318,16 @@ def run(cfg: Config, inputs: dict, output: Path, tracker) -> None:
                 validate(step)
             if ckpt_dir and step % cfg.checkpoint_every == 0 and step < cfg.steps:
                 checkpoints.save(ckpt_dir, step, roles.trainers,
-                                 {"log": log, "kl_coef": kl_coef, "evals": evals,
+                                 {"log": log, "kl_coef": kl_coef, "evals": evals, "teacher_kls": teacher_kls,
                                   "order": [p["id"] for p in order], "order_rng": rng.getstate()}
                                  | ({"ahead": sample_state(ahead.result())} if ahead else {}), cfg.keep_checkpoints)
                 checkpointed_best = best_of(evals)[0]
                 keep_best_dirs(best_root, {checkpointed_best})
-    except BaseException:  # an interruption: episodes being played ahead end at their next turn
+    except BaseException as err:  # an interruption: episodes being played ahead end at their next turn
         if roles.episodes is not None:
             roles.episodes.stopping.set()
+        if isinstance(err, RemoteRewardError) and not str(err).startswith(f"rl/{cfg.name},"):  # (validate names its)
+            raise RemoteRewardError(f"rl/{cfg.name}, step {step + 1} of {cfg.steps}: {err}") from None
         raise
     finally:
         if pool:  # the rollout generated ahead ends before the stage does (an interruption shuts Ray down next)
@@ -331,6 +348,8 @@ def run(cfg: Config, inputs: dict, output: Path, tracker) -> None:
     trainer.save_log(output, log)
     summary = {"variant": cfg.name, "estimator": cfg.estimator, "steps": step, "eval_reward_before": eval_before,
                "eval_reward": eval_after, "final_reward_mean": log[-1]["reward_mean"], "final_kl": log[-1]["kl"]}
+    if teacher_kls:
+        summary |= {"eval_teacher_kl_before": teacher_kls[0][1], "eval_teacher_kl": teacher_kls[-1][1]}
     (output / "metrics.json").write_text(json.dumps(summary | chosen, indent=2))
     tracker.log_artifact(output / "metrics.json")
     print(f"[rl/{cfg.name}] held-out reward {eval_before:.4f} -> {eval_after:.4f}, best {best_reward:.4f} at step "

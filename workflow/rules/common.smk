@@ -10,6 +10,7 @@ from launcher.code_hash import stage_code_hash
 from launcher.checks import check_before_queueing
 from launcher.config import (ConfigError, benchmark_params, dag_stages, evaluate_params, method_seeds, preprocess_params,
                              read_config_file, report_params, rl_variant, seeded_models, stage_jobs, validate_config)
+from runtime.remote_reward import is_remote
 from runtime.user_data import DataError, ROLES, is_builtin, is_hub
 
 try:
@@ -110,22 +111,32 @@ def environment_input():
     return {"environment_file": config["environment"]["path"]} if config["environment"] else {}
 
 
+def judge_input(rewards):
+    """The judge's model as the input `judge_model` where one of `rewards` is judge: the base model, or judge.model's
+    directory."""
+    if "judge" not in rewards:
+        return {}
+    return {"judge_model": f"{RESULTS}/base_model" if config["judge"]["model"] == "base" else config["judge"]["model"]}
+
+
 def evaluate_inputs(wildcards):
-    """The reward model and reward files evaluate.rewards names, the SFT held-out rows (perplexity) if any, and the
-    environment file if any."""
+    """The reward model, judge model and reward files evaluate.rewards names (a reward service is no file), the SFT
+    held-out rows (perplexity) if any, and the environment file if any."""
     rewards = config["evaluate"]["rewards"]
-    return ({"reward_model": rules.reward_model.output[0]} if "model" in rewards else {}) | \
-        {"reward_files": [r for r in rewards if r != "model"]} | \
+    return ({"reward_model": rules.reward_model.output[0]} if "model" in rewards else {}) | judge_input(rewards) | \
+        {"reward_files": [r for r in rewards if r not in ("model", "judge") and not is_remote(r)]} | \
         ({"sft_data": preprocessed("sft")} if "sft" in STAGES["datasets"] else {}) | environment_input()
 
 
 def rl_reward_inputs(wildcards):
-    """The variant's reward (the reward model, or its reward file; none for reward null: the environment's step
-    rewards alone) and the environment file if any."""
-    reward = rl_variant(config, wildcards.variant)["reward"]
-    rewards = {"reward_model": rules.reward_model.output[0]} if reward == "model" else \
-        {"reward_file": reward} if reward else {}
-    return rewards | environment_input()
+    """The variant's reward (the reward model, the judge's model, or its reward file; none for a reward service, or
+    reward null: the environment's step rewards or the teacher's alone), its teacher and the environment file if
+    any."""
+    variant = rl_variant(config, wildcards.variant)
+    reward = variant["reward"]
+    rewards = {"reward_model": rules.reward_model.output[0]} if reward == "model" else judge_input([reward]) | \
+        ({"reward_file": reward} if reward and reward != "judge" and not is_remote(reward) else {})
+    return rewards | ({"teacher": variant["teacher"]} if variant["teacher"] else {}) | environment_input()
 
 
 def model_dir(wildcards):
