@@ -265,7 +265,8 @@ class Roles:
             self._init_weight_group(tp)
 
     def reward_counts(self) -> dict:
-        """What scoring counted so far: the judge's verdicts without a score, a reward service's retries."""
+        """What scoring counted so far: the judge's verdicts and those without a score, a reward service's requests and
+        retries."""
         if isinstance(self.reward_fn, Judge):
             return {"judge_scored": self.reward_fn.rows, "judge_unparsed": self.reward_fn.unparsed}
         if isinstance(self.reward_fn, RemoteReward):

@@ -80,7 +80,12 @@ def describe_experiment(cfg: Config) -> str:
             return f"given (`{cfg.given[name]}`, not trained)"
         return trained if cfg.stages[name] else absent
 
-    variants = ", ".join(f"{name} ({settings['estimator']}, reward {settings['reward'] or 'of the environment'})"
+    def reward(settings: dict) -> str:
+        named = settings["reward"] or ("" if settings.get("teacher") else "of the environment")
+        taught = f"the teacher {settings['teacher']}'s log-ratio" if settings.get("teacher") else ""
+        return " plus ".join(part for part in (taught, named) if part)
+
+    variants = ", ".join(f"{name} ({settings['estimator']}, reward {reward(settings)})"
                          for name, settings in cfg.variants.items())
     template = "go through the model's chat template" if data["apply_chat_template"] \
         else f"follow the template {data['input_template']!r}"

@@ -247,6 +247,7 @@ def run(cfg: Config, inputs: dict, output: Path, tracker) -> None:
             keep_best_dirs(best_root, {s, checkpointed_best})
 
     step, log, kl_coef = 0, [], cfg.kl_coef
+    counted = {}  # the judge's or reward service's counts at the step before (Roles.reward_counts)
     rng, order = random.Random(cfg.seed), []  # the prompts' order: passes over them, each seeded
     if resumed := checkpoints.resume(ckpt_dir, roles.trainers, "rl"):
         step, state = resumed
@@ -310,7 +311,9 @@ def run(cfg: Config, inputs: dict, output: Path, tracker) -> None:
             timings["time_weight_sync"] = time.perf_counter() - t0
             step = s + 1
             kl_coef = adapt_kl(kl_coef, metrics["kl"], cfg)
-            metrics |= timings | {"kl_coef": kl_coef} | roles.reward_counts()
+            counts = roles.reward_counts()  # since the step before (held-out scoring included)
+            metrics |= timings | {"kl_coef": kl_coef} | {k: n - counted.get(k, 0) for k, n in counts.items()}
+            counted = counts
             tracker.log_metrics(metrics, step=step)
             log.append({"step": step, "loss": metrics["policy_loss"], **metrics, "prompt_ids": [p["id"] for p in batch]})
             progress.update(step, reward=metrics["reward_mean"], kl=metrics["kl"], clip=metrics["clip_fraction"])

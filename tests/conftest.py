@@ -31,12 +31,13 @@ def cpu_seconds() -> tuple[float, float]:
 # (`tiny_dag`); then the rest, beside the user-experiment DAGs (`user_runs`), which take the cores they leave idle:
 # first the files that keep about one core of two busy (WAITING_FILES: they wait on servers, Ray and engine
 # start-ups, a stall's limit; run after the DAGs had ended, 20-59% of the machine), while the DAGs certainly run,
-# then those that keep both busy; then test_user_experiment.py and test_agent_rl.py (the last DAG's), whose tests wait
+# then those that keep both busy; then test_user_experiment.py and LAST_DAG_FILES (the last DAGs'), whose tests wait
 # for those DAGs (a wait before the rest had run would leave those DAGs alone on the machine); last the files that
 # time something against a short limit (TIMED_FILES: a refusal within seconds, a stall within 3 s), with the machine
 # to themselves: beside a DAG, a dry run's refusal took up to 29 s instead of 2-3.
 WAITING_FILES = ("test_ray_security.py", "test_tracking_faults.py", "test_user_data.py", "test_weight_sync.py",
                  "test_stall_watch_rl.py")
+LAST_DAG_FILES = ("test_agent_rl.py", "test_rewards_and_teachers.py")
 TIMED_FILES = ("test_checks_before_queueing.py", "test_config.py", "test_stall_watch.py")
 
 
@@ -44,7 +45,7 @@ def pytest_collection_modifyitems(items):
     def group(item) -> int:
         name = item.path.name
         return 0 if item.path.parent.name == "slurm" else 1 if name in WAITING_FILES else \
-            3 if name == "test_user_experiment.py" else 3.5 if name == "test_agent_rl.py" else \
+            3 if name == "test_user_experiment.py" else 3.5 if name in LAST_DAG_FILES else \
             4 if name in TIMED_FILES else 2
     items.sort(key=group)
 

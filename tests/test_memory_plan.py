@@ -19,7 +19,7 @@ from hub_configs import HUB_CONFIGS, PUBLISHED_PARAMS, hub_sizes
 from launcher.config import REPO_ROOT, ConfigError, check_dag_data, stage_jobs, validate_config
 from launcher.memory import (LOGITS_CHUNKS_GB, SCORE_BATCH, ModelSize, check_memory, estimate, memory_plan,
                              model_sizes, vllm_share)
-from launcher.resources import check_stages, stage_resources
+from launcher.resources import JUDGE_ROLE, check_stages, gpus_needed, stage_resources
 from test_examples import EXAMPLES, dry_run, load_example, refused_jobs
 
 LLAMA_70B, QWEN_7B = "meta-llama/Meta-Llama-3-70B-Instruct", "Qwen/Qwen2.5-7B-Instruct"
@@ -281,3 +281,49 @@ def test_benchmark_jobs_are_in_the_plan_and_a_scorer_on_too_few_gpus_is_refused(
     message = str(err.value)
     assert "benchmark/mc/base/seed42: its fullest GPU (scorer GPU) needs" in message, message
     assert "launcher.stages.benchmark.gpus_per_node" in message and "benchmark/aime/" not in message, message
+
+
+def test_a_teacher_and_a_judge_are_counted_on_the_gpus_they_take(tmp_path):
+    """A teacher (rl.teacher) is a frozen model beside the reference: frozen_ranks GPUs of the job and a phase of its
+    own in the plan, its bf16 weights and a log-probs pass. A judge's vLLM engines (rl.reward: judge) take GPUs of
+    their own besides the others' and a phase in the plan; a job without room for them is refused naming the judge."""
+    models = {}
+    for name in ("teacher", "judge"):
+        models[name] = tmp_path / name
+        models[name].mkdir()
+        (models[name] / "config.json").write_text(json.dumps(HUB_CONFIGS[QWEN_7B]))
+        (models[name] / "model.safetensors").write_bytes(len(b"{}").to_bytes(8, "little") + b"{}")  # no tensors
+    variants = {"distil": {"estimator": "reinforce", "reward": None, "teacher": str(models["teacher"])},
+                "judged": {"estimator": "group_norm", "reward": "judge"}}
+    layout = {"nodes": 1, "gpus_per_node": 8, "cpus_per_node": 64, "mem_gb": 512}
+
+    def config(gpus_per_node: int) -> dict:
+        return validate_config({
+            "model": {"path": QWEN_7B}, "data": {"max_prompt_tokens": 1024, "prompts": {"path": "builtin:imdb"}},
+            "rl": {"variants": variants, "num_workers": 2, "frozen_ranks": 2, "zero_stage": 3, "colocate": False,
+                   "micro_batch_size": 1, "forward_micro_batch_size": 2, "gradient_checkpointing": True,
+                   "vllm": {"num_engines": 2}},
+            "judge": {"model": str(models["judge"]), "vllm": {"num_engines": 2}},
+            "evaluate": {"rewards": [REWARD_FILE]},
+            "launcher": {"cluster": "slurm", "gpu_memory_gb": 80,
+                         "stages": {"rl": layout | {"gpus_per_node": gpus_per_node}}}})
+
+    fits = config(8)
+    assert check_stages(stage_jobs(fits), fits["launcher"]) == []
+    params = {run: p["rl"] for stage, run, p in stage_jobs(fits) if stage == "rl"}
+    assert gpus_needed("rl", params["rl/distil/seed1234"]) == {"policy": 2, "reference": 2, "teacher": 2, "vLLM": 2}
+    assert gpus_needed("rl", params["rl/judged/seed1234"]) == {"policy": 2, "reference": 2, "vLLM": 2, JUDGE_ROLE: 2}
+    jobs = {job.run_name: job for job in memory_plan(fits, sizes=hub_sizes(fits)) if job.stage == "rl"}
+    assert all(job.fits for job in jobs.values()), [(j.run_name, j.gpu_phase, j.gpu_peak) for j in jobs.values()]
+    resources, _ = stage_resources("rl", fits["launcher"])
+    (_, _, distil), (_, _, judged) = [job for job in stage_jobs(fits) if job[0] == "rl"]
+    teacher_gpu = estimate("rl", distil, fits, hub_sizes(fits), resources, 80).gpu["teacher GPU: log-probs"]
+    assert teacher_gpu["teacher (bf16, sharded)"] == pytest.approx(
+        2 * PUBLISHED_PARAMS[QWEN_7B] / 2 / 1e9, rel=2e-3)  # bf16 over 2 ZeRO-3 ranks
+    assert "judge vLLM GPU: verdicts" in estimate("rl", judged, fits, hub_sizes(fits), resources, 80).gpu
+    too_few = config(7)  # the judged variant's 2 + 2 + 2 and the judge's 2 need 8; the distilled one's 8 too
+    problems = check_stages(stage_jobs(too_few), too_few["launcher"])
+    assert any("stage rl/judged:" in problem and "stage rl needs 8 GPUs (policy 2, reference 2, vLLM 2, judge vLLM 2; "
+               "summed, the judge besides)" in problem for problem in problems), problems
+    assert any("stage rl/distil:" in problem and "(policy 2, reference 2, vLLM 2, teacher 2; summed)" in problem
+               for problem in problems), problems

@@ -58,19 +58,24 @@ class RewardHandler(BaseHTTPRequestHandler):
         pass
 
 
-@pytest.fixture
-def service():
-    """A reward service in a daemon thread; its `state` sets how it answers: sleep(body, request number) seconds,
-    fail_first requests answered fail_status, answer (raw bytes) instead of scores, token required; and records the
-    bodies and headers it got and the most requests it held at once."""
+def start_service(**state) -> ThreadingHTTPServer:
+    """A reward service on 127.0.0.1 in a daemon thread, its URL as `.url`; its `state` (defaults overridden by
+    `state`) sets how it answers: sleep(body, request number) seconds, fail_first requests answered fail_status,
+    answer (raw bytes) instead of scores, token required; and records the bodies and headers it got and the most
+    requests it held at once."""
     server = ThreadingHTTPServer(("127.0.0.1", 0), RewardHandler)
     server.daemon_threads = True
     server.state = {"lock": threading.Lock(), "bodies": [], "headers": [], "in_flight": 0, "max_in_flight": 0,
                     "sleep": lambda body, number: 0, "fail_first": 0, "fail_status": 500, "answer": None,
-                    "token": None}
+                    "token": None} | state
     server.url = f"http://127.0.0.1:{server.server_address[1]}/get_reward"
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-    thread.start()
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    return server
+
+
+@pytest.fixture
+def service():
+    server = start_service()
     yield server
     server.shutdown()
     server.server_close()

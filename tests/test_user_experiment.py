@@ -28,6 +28,7 @@ from runtime.builtin_data import arithmetic_rows
 from runtime.data import write_jsonl
 from runtime.models import build_tiny
 from stages.report import Config as ReportConfig, describe_experiment
+from test_remote_reward import start_service
 
 pytestmark = pytest.mark.e2e
 WORDS = ("apple pear plum grape lemon melon cherry peach mango olive bread cheese honey pepper onion carrot "
@@ -83,11 +84,12 @@ def write_user_files(root: Path, chat: bool) -> dict:
                      "eval": {"path": str(root / "eval.jsonl"), "input_key": "question", "label_key": "word"}}}
 
 
-def build_user_model(out_dir: Path, architecture: str, texts: list[str], chat: bool) -> None:
+def build_user_model(out_dir: Path, architecture: str, texts: list[str], chat: bool, seed: int = 0) -> None:
     """A model directory as users have them: for qwen2, a chat model whose EOS (<|endoftext|>) is not its end of turn
-    (<|im_end|>), as Qwen2's; for gpt2, a base model without a chat template."""
+    (<|im_end|>), as Qwen2's; for gpt2, a base model without a chat template. The same texts give the same tokenizer
+    whatever the seed of the weights."""
     build_tiny(out_dir, {"architecture": architecture, "hidden_size": 64, "num_layers": 2, "num_heads": 2,
-                         "vocab_size": 400}, 0, texts)
+                         "vocab_size": 400}, seed, texts)
     tokenizer = AutoTokenizer.from_pretrained(out_dir)
     tokenizer.eos_token = "<|endoftext|>"
     if not chat:
@@ -478,11 +480,78 @@ def agent_experiment(root: Path) -> dict:
     return {"root": root, "configfile": shipped_config("agent-calculator", root, **overrides), "overrides": overrides}
 
 
+def train_teacher(student: Path, out_dir: Path, sft_file: Path) -> None:
+    """A teacher for `student`: a copy of it (the same tokenizer) trained on the user's SFT rows as chats, until it
+    answers the word and ends its turn (60 full-batch AdamW steps: seconds)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    tokenizer = AutoTokenizer.from_pretrained(student)
+    model = AutoModelForCausalLM.from_pretrained(student)
+    chats = [[{"role": "user", "content": row["question"]}, {"role": "assistant", "content": row["answer"]}]
+             for row in data_rows(sft_file)]
+    batch = tokenizer([tokenizer.apply_chat_template(chat, tokenize=False) for chat in chats], return_tensors="pt",
+                      padding=True)
+    labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(60):
+        optimizer.zero_grad()
+        model(**batch, labels=labels).loss.backward()
+        optimizer.step()
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
+
+
+def rewards_experiment(root: Path) -> dict:
+    """Rewards beyond a Python file, on the user's Qwen2 model and word prompts (tests/test_rewards_and_teachers.py).
+    GRPO against a reward service on 127.0.0.1 (the longer reply scores higher), with dynamic sampling; the first
+    request of a step's 32 rows answers after the client's timeout, so it is sent again. GRPO with asynchronous
+    rollouts scored by an LLM judge: the base model itself, whose greedy verdict on a random model's reply repeats the
+    reply's last token, which is one of the words (a score by the word) for some replies and not for others.
+    REINFORCE++ distilling a teacher trained on the SFT rows (train_teacher) with no other reward, packed. The
+    student evaluated with the service and the judge."""
+    files = write_user_files(root / "my_data", chat=True)
+    student, teacher = root / "my-qwen2", root / "teacher"
+    build_user_model(student, "qwen2", files["texts"], chat=True)
+    train_teacher(student, teacher, Path(files["data"]["sft"]["path"]))
+    slowed = threading.Event()
+
+    def sleep(body, number):  # one slow answer: to a step's rollout (rollout_batch_size 8 x n_samples 4 rows)
+        if len(body["prompts"]) == 32 and not slowed.is_set():
+            slowed.set()
+            return 4.0
+        return 0.0
+
+    service = start_service(sleep=sleep)
+    config = {
+        "experiment": root.name, "seed": 0, "results_dir": str(root / "results"), "model": {"path": str(student)},
+        "data": {"max_prompt_tokens": 48, "max_response_tokens": 16,
+                 "prompts": files["data"]["prompts"], "eval": files["data"]["eval"]},
+        "rl": {"steps": 4, "zero_stage": 0, "num_workers": 1, "rollout_batch_size": 8, "n_samples": 4,
+               "max_new_tokens": 16, "batch_size": 32, "micro_batch_size": 8, "learning_rate": 1.0e-3,
+               "kl_coef": 0.0, "eval_prompts": 8, "reward": service.url,
+               "variants": {"remote": {"estimator": "group_norm", "dynamic_sampling": True},
+                            "judge": {"estimator": "group_norm", "reward": "judge", "async_rollouts": 1},
+                            # the teacher's return-to-go credits a reply that ends where the teacher would
+                            "distil": {"estimator": "reinforce", "reward": None, "teacher": str(teacher),
+                                       "packing": True, "steps": 8, "learning_rate": 1.0e-2, "batch_size": 8}}},
+        "remote_reward": {"timeout": 2.0, "backoff": 0.1},
+        "judge": {"model": "base", "chat": False, "max_new_tokens": 8, "unparsed_score": 0.25,
+                  "template": "Which word does this reply say? {completion}",
+                  "parser": {"kind": "choice", "choices": {word: (i % 3) / 2 for i, word in enumerate(WORDS)}}},
+        "evaluate": {"models": ["distil"], "rewards": [service.url, "judge"], "num_prompts": 16,
+                     "max_new_tokens": 16}}
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "config.yaml").write_text(yaml.safe_dump(config))
+    return {"root": root, "configfile": root / "config.yaml", "files": files, "student": student, "teacher": teacher,
+            "service": service}
+
+
 # The runs UserRuns makes, in this order: (how, its temporary directory, its experiment's name and directory).
 USER_RUNS = {"qwen2_run": (qwen2_experiment, "qwen2", "user-qwen2"), "given_run": (given_experiment, "given", "user-given"),
              "gpt2_run": (gpt2_experiment, "gpt2", "user-gpt2"),
              "rl_only_run": (rl_only_experiment, "rl-only", "rl-verifiable-reward"),
-             "agent_run": (agent_experiment, "agent", "agent-calculator")}
+             "agent_run": (agent_experiment, "agent", "agent-calculator"),
+             "rewards_run": (rewards_experiment, "rewards", "rewards-teachers")}
 
 
 @pytest.fixture(scope="module")
