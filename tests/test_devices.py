@@ -241,7 +241,7 @@ def test_sleeping_engines_generate_with_the_weights_last_sent(ray_with_gpus):
     roles.sleeps, roles.engines_asleep, roles.engines, roles.weight_mode = True, set(), engines, "ipc"
     roles.policy, roles.trainers, roles.reward_model, roles.reward_file = policy, {"policy": policy}, None, "equal.py"
     roles.reward_fn = lambda prompts, completions, labels: [1.0] * len(completions)  # every group uninformative
-    roles.episodes = None
+    roles.episodes = roles.teacher = None
     cfg = stage_config(rl, {"rl": {"n_samples": 2, "rollout_batch_size": 2, "batch_size": 4, "micro_batch_size": 2,
                                    "dynamic_sampling": True,
                                    "max_generation_rounds": 2}})

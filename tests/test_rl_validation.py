@@ -77,6 +77,9 @@ def driver(tmp_path, monkeypatch):
         def sync_weights(self) -> None:
             pass
 
+        def reward_counts(self) -> dict:
+            return {}
+
     monkeypatch.setattr(rl, "Roles", Roles)
     monkeypatch.setattr(rl, "load_tokenizer", lambda path: lambda text, **kw: {"input_ids": [1, 2]})
     monkeypatch.setattr(rl.ray, "cluster_resources", lambda: {"CPU": 1})
