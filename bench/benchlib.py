@@ -112,6 +112,10 @@ def add_common_args(parser, name: str, steps: int, warmup: int, sides: tuple[str
                         help=f"comma-separated sides to run ({','.join(sides)}); without trl, no TRL is needed")
     parser.add_argument("--out", type=Path, help=f"results file (default bench/results/{name}.json; with --tiny "
                         f"results/bench/tiny/{name}.json, so a tiny run never overwrites a real run's results)")
+    parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
+                        help="both sides' precision (default fp32): alignpipe's `precision` (bf16: bf16 weights with "
+                        "DeepSpeed's fp32 master weights, vLLM in bf16; needs a CPU with native bf16), TRL's bf16 "
+                        "(autocast over fp32 weights)")
     parser.add_argument("--only", choices=sides, help="internal: run one side in this process, print its step times")
     parser.set_defaults(bench_name=name, default_warmup=warmup, all_sides=sides)
 
@@ -169,6 +173,36 @@ def run_side(script: str, side: str, argv: list[str], steps: int) -> tuple[list[
     if len(times) != steps:
         sys.exit(f"{side} ran {len(times)} steps, not {steps}:\n{out.stdout[-3000:]}")
     return times, lines
+
+
+def matmul_gflops(dtype_name: str, size: int = 2048, repeats: int = 8) -> float:
+    """This machine's dense matmul rate in `dtype_name` on all its cores: a size x size product, timed after two
+    untimed ones."""
+    import torch
+    torch.set_num_threads(os.cpu_count())
+    dtype = getattr(torch, dtype_name)
+    a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
+    for _ in range(2):
+        a @ b
+    start = time.perf_counter()
+    for _ in range(repeats):
+        a @ b
+    return 2 * size ** 3 * repeats / (time.perf_counter() - start) / 1e9
+
+
+def machine() -> dict:
+    """What bounds a CPU bench here (issue #47): the processor, its cores, its native bf16 instructions and its
+    measured float32 and bfloat16 matmul rates (the peaks a training step's FLOP/s compares with)."""
+    from runtime.models import cpu_bf16_flags
+    cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    name = next((line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("model name")), "")
+    result = {"cpu": name, "cores": os.cpu_count(), "native_bf16": cpu_bf16_flags(),
+              "matmul_gflops": {dtype: matmul_gflops(dtype) for dtype in ("float32", "bfloat16")}}
+    rates = result["matmul_gflops"]
+    print(f"[bench] machine: {name or 'CPU'}, {result['cores']} cores, native bf16: "
+          f"{', '.join(result['native_bf16']) or 'none'}; matmul {rates['float32']:.0f} GFLOP/s float32, "
+          f"{rates['bfloat16']:.0f} bfloat16", flush=True)
+    return result
 
 
 def emit(tag: str, value) -> None:

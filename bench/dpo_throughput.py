@@ -2,7 +2,7 @@
 
     make bench-dpo        # or: .venv/bin/python bench/dpo_throughput.py   (10 steps, the first 2 excluded)
     .venv/bin/python bench/dpo_throughput.py --tiny --steps 1 --sides alignpipe   # the code path only (tests)
-Both train SmolLM2-135M-Instruct with sigmoid DPO, beta 0.1, fp32, on all of this machine's cores, and do the same
+Both train SmolLM2-135M-Instruct with sigmoid DPO, beta 0.1, fp32 (or both bf16: `--precision bf16`), on all of this machine's cores, and do the same
 policy work per step:
 - the same pairs in the same steps: the generated IMDB preference pairs (prompt <= 64 tokens, responses cut at 48
   by the preprocess stage's code), one epoch in the order alignpipe's trainer takes them (`trainer.fit`'s seeded
@@ -36,8 +36,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from benchlib import (StepTimer, add_common_args, base_model, describe, emit, finish_args, run_side, side_results,
-                      trl_step_timer, write_results)
+from benchlib import (StepTimer, add_common_args, base_model, describe, emit, finish_args, machine, run_side,
+                      side_results, trl_step_timer, write_results)
 from launcher.config import stage_config  # noqa: E402  (benchlib puts the repository on sys.path)
 
 MAX_PROMPT_TOKENS, MAX_RESPONSE_TOKENS = 64, 48
@@ -59,7 +59,7 @@ def make_pairs(model_dir: Path, count: int) -> list[dict]:
     return [{"id": i, **pair} for i, pair in enumerate(pairs)]
 
 
-def dpo_config(batch: int, zero_stage: int, workers: int):
+def dpo_config(batch: int, zero_stage: int, workers: int, precision: str = "fp32"):
     """The dpo stage's Config from the schema's defaults, with what the bench compares (batch, one epoch, sigmoid
     DPO with beta 0.1, learning rate 5e-6 without warmup) and the trainer layout set here; TRL's side takes its
     batch layout, learning rate, beta and seed from it too."""
@@ -67,7 +67,7 @@ def dpo_config(batch: int, zero_stage: int, workers: int):
     return stage_config(dpo, {"seed": 0, "dpo": {"zero_stage": zero_stage, "num_workers": workers, "epochs": 1,
                                                   "batch_size": batch, "micro_batch_size": batch // 2,
                                                   "learning_rate": 5e-6, "warmup_steps": 0, "checkpoint_every": 0,
-                                                  "loss": "dpo", "beta": 0.1}})
+                                                  "loss": "dpo", "beta": 0.1, "precision": precision}})
 
 
 def step_batches(pairs: list[dict], batch: int, steps: int, seed: int) -> list[list[dict]]:
@@ -79,13 +79,13 @@ def step_batches(pairs: list[dict], batch: int, steps: int, seed: int) -> list[l
 
 
 def bench_alignpipe(model_dir: Path, pairs: list[dict], batch: int, steps: int, zero_stage: int,
-                    workers: int) -> list[float]:
+                    workers: int, precision: str = "fp32") -> list[float]:
     import ray
     from stages import dpo
     from runtime import trainer
     ray.init(num_cpus=os.cpu_count(), include_dashboard=False, logging_level="WARNING",
              _temp_dir=tempfile.mkdtemp(prefix="ray-bench-", dir="/tmp"))
-    cfg = dpo_config(batch, zero_stage, workers)
+    cfg = dpo_config(batch, zero_stage, workers, precision)
     if getattr(cfg, "gradient_checkpointing", False):
         sys.exit("the dpo stage's schema now checkpoints gradients: TRL's side runs without (set it here)")
     timer = StepTimer()
@@ -103,7 +103,7 @@ def bench_alignpipe(model_dir: Path, pairs: list[dict], batch: int, steps: int, 
 
 
 def bench_trl(model_dir: Path, pairs: list[dict], batch: int, steps: int, zero_stage: int,
-              workers: int) -> list[float]:
+              workers: int, precision: str = "fp32") -> list[float]:
     import torch
     from datasets import Dataset
     from trl import DPOConfig, DPOTrainer
@@ -129,7 +129,7 @@ def bench_trl(model_dir: Path, pairs: list[dict], batch: int, steps: int, zero_s
                      max_steps=steps, learning_rate=cfg.learning_rate, beta=cfg.beta, loss_type=["sigmoid"],
                      max_length=max_length, gradient_checkpointing=False, use_cpu=True, report_to=[],
                      logging_steps=1, save_strategy="no", seed=cfg.seed, warmup_steps=0, dataloader_num_workers=0,
-                     bf16=False, fp16=False)
+                     bf16=precision == "bf16", fp16=False)
     trainer = SameTokensDPOTrainer(model=load_causal_lm(model_dir), ref_model=load_causal_lm(model_dir), args=args,
                                    train_dataset=Dataset.from_list(rows), processing_class=tokenizer,
                                    callbacks=[trl_step_timer(times)])
@@ -150,14 +150,16 @@ def main() -> None:
     if args.only:
         pairs = make_pairs(args.model, args.steps * args.batch)
         bench = bench_alignpipe if args.only == "alignpipe" else bench_trl
-        emit("STEP_TIMES", bench(args.model, pairs, args.batch, args.steps, args.zero_stage, args.workers))
+        emit("STEP_TIMES", bench(args.model, pairs, args.batch, args.steps, args.zero_stage, args.workers,
+                                 args.precision))
         return
     base_model(args.model, args.tiny)
-    results = {}
+    results = {"machine": machine()}
     for side in args.sides:
         times, _ = run_side(__file__, side, ["--model", str(args.model), "--steps", str(args.steps), "--warmup",
                                              str(args.warmup), "--batch", str(args.batch), "--zero-stage",
-                                             str(args.zero_stage), "--workers", str(args.workers)], args.steps)
+                                             str(args.zero_stage), "--workers", str(args.workers), "--precision",
+                                             args.precision], args.steps)
         results[side] = side_results(times, args.warmup, "pairs_per_second", args.batch)
         print(describe(side, results[side], "pairs_per_second", "pairs"), flush=True)
     results["setup"] = {"model": "tiny (schema model.tiny)" if args.tiny else "SmolLM2-135M-Instruct",
@@ -165,7 +167,7 @@ def main() -> None:
                         "alignpipe_trainer": f"{args.workers} rank(s), ZeRO-{args.zero_stage}",
                         "warmup_steps_excluded": args.warmup, "max_prompt_tokens": MAX_PROMPT_TOKENS,
                         "max_response_tokens": MAX_RESPONSE_TOKENS, "gradient_checkpointing": False,
-                        "same_batches_and_tokens": True}
+                        "same_batches_and_tokens": True, "precision": args.precision}
     write_results(args.out, results)
     if "alignpipe" in results and "trl" in results:
         a, t = results["alignpipe"]["steady_step_seconds"], results["trl"]["steady_step_seconds"]

@@ -3,7 +3,7 @@
     make bench-grpo       # or: .venv/bin/python bench/grpo_throughput.py   (9 steps, the first excluded)
     .venv/bin/python bench/grpo_throughput.py --sides alignpipe,alignpipe-async,alignpipe-packed   # no TRL
     .venv/bin/python bench/grpo_throughput.py --tiny --steps 2 --sides alignpipe-async   # tests/test_benches.py
-Both run GRPO on SmolLM2-135M-Instruct, fp32, on all of this machine's cores, and do the same work per step:
+Both run GRPO on SmolLM2-135M-Instruct, fp32 (or both bf16: `--precision bf16`), on all of this machine's cores, and do the same work per step:
 - the same prompts in the same steps: the IMDB-opening prompts in order, step s gets prompts 4s..4s+3 (TRL with
   shuffle_dataset=False), 4 samples each, temperature and top_p the rl stage's (1.0, 1.0 by default);
 - every response exactly 32 new tokens (issue #16: with responses ending at EOS a step's time followed its response
@@ -40,7 +40,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from benchlib import (REPO, StepTimer, add_common_args, base_model, describe, emit, finish_args, run_side,
+from benchlib import (REPO, StepTimer, add_common_args, base_model, describe, emit, finish_args, machine, run_side,
                       side_results, steady_stats, tagged, trl_step_timer, write_results)
 from launcher.config import stage_config  # noqa: E402  (benchlib puts the repository on sys.path)
 
@@ -90,8 +90,18 @@ def check_lengths(side: str, lengths: list[int]) -> None:
         sys.exit(f"{side}: responses of {min(lengths)}-{max(lengths)} tokens, not all exactly {NEW_TOKENS}")
 
 
+def train_gflops(model_dir: Path, phases: list[dict], trained_tokens: list[int]) -> float:
+    """The training phase's achieved rate over steps (their `phases` and `trained_tokens`): 6 FLOPs per parameter
+    per trained position (a forward and its backward, Kaplan et al. 2020), on the positions the rows hold, not their
+    padding."""
+    import json
+    from launcher.memory import ModelSize
+    params = ModelSize.from_config(json.loads((model_dir / "config.json").read_text()), str(model_dir)).params
+    return 6 * params * sum(trained_tokens) / sum(p["train"] for p in phases) / 1e9
+
+
 def bench_alignpipe(model_dir: Path, rows: list[dict], steps: int, zero_stage: int, workers: int,
-                    side: str = "alignpipe") -> list[float]:
+                    side: str = "alignpipe", precision: str = "fp32") -> list[float]:
     import ray
     from stages import rl
     from runtime import experience
@@ -99,7 +109,7 @@ def bench_alignpipe(model_dir: Path, rows: list[dict], steps: int, zero_stage: i
     from runtime.rl_actors import Roles
     ray.init(num_cpus=CORES, include_dashboard=False, _temp_dir=tempfile.mkdtemp(prefix="ray-bench-", dir="/tmp"),
              logging_level="WARNING")
-    cfg = rl_config(steps, zero_stage, workers, ALIGNPIPE_SIDES[side])
+    cfg = rl_config(steps, zero_stage, workers, ALIGNPIPE_SIDES[side] | {"precision": precision})
     if getattr(cfg, "gradient_checkpointing", False):
         sys.exit("the rl stage's schema now checkpoints gradients: TRL's side runs without (set it here)")
     tokenizer = load_tokenizer(model_dir)
@@ -129,12 +139,16 @@ def bench_alignpipe(model_dir: Path, rows: list[dict], steps: int, zero_stage: i
         times.append(time.perf_counter() - t0)
         lengths += [len(r) for r in samples.response_ids]
         emit("PHASES", phases)
+        # the positions the training step's forward needs
+        emit("TRAINED_TOKENS", SAMPLES * sum(len(r["prompt_ids"]) for r in rows[s * PROMPTS:(s + 1) * PROMPTS])
+             + sum(len(r) for r in samples.response_ids))
     ray.shutdown()
     check_lengths("alignpipe", lengths)
     return times
 
 
-def bench_trl(model_dir: Path, rows: list[dict], steps: int, zero_stage: int, workers: int) -> list[float]:
+def bench_trl(model_dir: Path, rows: list[dict], steps: int, zero_stage: int, workers: int,
+              precision: str = "fp32") -> list[float]:
     import importlib.util
     import torch
     from datasets import Dataset
@@ -159,7 +173,7 @@ def bench_trl(model_dir: Path, rows: list[dict], steps: int, zero_stage: int, wo
                       temperature=cfg.temperature, top_p=cfg.top_p, shuffle_dataset=False,
                       gradient_checkpointing=False, max_steps=steps, learning_rate=cfg.learning_rate,
                       beta=cfg.kl_coef, use_cpu=True, report_to=[], logging_steps=1, save_strategy="no", seed=0,
-                      bf16=False, fp16=False, dataloader_num_workers=0)
+                      bf16=precision == "bf16", fp16=False, dataloader_num_workers=0)
     trainer = GRPOTrainer(model=load_causal_lm(model_dir), reward_funcs=sentiment_reward, args=args,
                           train_dataset=Dataset.from_list([{"prompt": r["prompt"]} for r in rows]),
                           processing_class=load_tokenizer(model_dir), callbacks=[trl_step_timer(times)])
@@ -181,16 +195,18 @@ def main() -> None:
     if args.only:
         rows = prompts(args.model, args.steps * PROMPTS)
         if args.only == "trl":
-            emit("STEP_TIMES", bench_trl(args.model, rows, args.steps, args.zero_stage, args.workers))
+            emit("STEP_TIMES", bench_trl(args.model, rows, args.steps, args.zero_stage, args.workers, args.precision))
         else:
-            emit("STEP_TIMES", bench_alignpipe(args.model, rows, args.steps, args.zero_stage, args.workers, args.only))
+            emit("STEP_TIMES", bench_alignpipe(args.model, rows, args.steps, args.zero_stage, args.workers, args.only,
+                                               args.precision))
         return
     base_model(args.model, args.tiny)
-    results = {}
+    results = {"machine": machine()}
     for side in args.sides:
         times, lines = run_side(__file__, side, ["--model", str(args.model), "--steps", str(args.steps), "--warmup",
                                                  str(args.warmup), "--zero-stage", str(args.zero_stage),
-                                                 "--workers", str(args.workers)], args.steps)
+                                                 "--workers", str(args.workers), "--precision", args.precision],
+                                 args.steps)
         result = results[side] = side_results(times, args.warmup, "samples_per_second", PROMPTS * SAMPLES)
         result["response_tokens"] = tagged(lines, "RESPONSE_TOKENS")[0]
         print(describe(side, result, "samples_per_second", "samples"), flush=True)
@@ -204,12 +220,18 @@ def main() -> None:
                                                                     result["phase_seconds"].items()), flush=True)
             print(f"{side} weight sync: mean {sync['mean']:.3f} s/step (median {sync['median']:.3f}, "
                   f"min {sync['min']:.3f}, max {sync['max']:.3f})", flush=True)
+            result["train_gflops"] = train_gflops(args.model, steady, tagged(lines, "TRAINED_TOKENS")[args.warmup:])
+            print(f"{side} training: {result['train_gflops']:.0f} GFLOP/s achieved, "
+                  f"{result['train_gflops'] / results['machine']['matmul_gflops']['bfloat16']:.0%} of the machine's "
+                  f"bf16 matmul peak ({result['train_gflops'] / results['machine']['matmul_gflops']['float32']:.0%} "
+                  "of its float32 one)", flush=True)
     results["setup"] = {"model": "tiny (schema model.tiny)" if args.tiny else "SmolLM2-135M-Instruct",
                         "prompts_per_step": PROMPTS, "samples_per_prompt": SAMPLES, "micro_batch": MICRO_BATCH,
                         "sides": args.sides, "alignpipe_policy": f"{args.workers} rank(s), ZeRO-{args.zero_stage}",
                         "max_new_tokens": NEW_TOKENS,
                         "response_tokens": f"exactly {NEW_TOKENS}: alignpipe vLLM ignore_eos, TRL min_new_tokens",
-                        "gradient_checkpointing": False, "steps": args.steps, "warmup_steps_excluded": args.warmup}
+                        "gradient_checkpointing": False, "steps": args.steps, "warmup_steps_excluded": args.warmup,
+                        "precision": args.precision}
     write_results(args.out, results)
     for side, other in [(s, "alignpipe") for s in ALIGNPIPE_SIDES if s != "alignpipe"] + [("alignpipe", "trl")]:
         if side in results and other in results:

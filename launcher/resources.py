@@ -17,6 +17,8 @@ import shutil
 import subprocess
 import unicodedata
 
+from runtime.models import NATIVE_BF16_FLAGS, cpu_bf16_flags
+
 # Where a stage's job runs and how big it is. The same names work in the config (`launcher.<key>`,
 # `launcher.stages.<stage>.<key>`) and as Snakemake resources in a profile (`default-resources`,
 # `set-resources: {<rule>: {<key>: ...}}`). Precedence, lowest first: launcher.<key>,
@@ -204,12 +206,17 @@ def check_fits(stage: str, params: dict, resources: dict, sources: dict) -> None
     if not gpus:
         gpu_only = {"vllm.tensor_parallel_size": vllm.get("tensor_parallel_size", 1) > 1,
                     "vllm.sleep": vllm.get("sleep", False), "offload_optimizer": block.get("offload_optimizer", False),
-                    "precision": block.get("precision") == "bf16",
                     "attn_implementation": block.get("attn_implementation") == "flash_attention_2"}
         for key, used in gpu_only.items():
             if used:
                 raise LaunchConfigError(f"{stage}.{key} = {_value(block, key)!r} needs GPUs, but the stage's job has "
                                         f"none ({sources['gpus_per_node']} = 0); set gpus_per_node or change {key}")
+        # bf16 on CPUs needs their bf16 instructions: known here for this machine's jobs; on Slurm's CPU nodes the
+        # stage checks as it starts (runtime/models.model_dtype)
+        if block.get("precision") == "bf16" and resources["cluster"] == "local" and not cpu_bf16_flags():
+            raise LaunchConfigError(f"{stage}.precision = 'bf16' on this machine's CPU, which has no native bf16 "
+                                    f"instructions ({' or '.join(NATIVE_BF16_FLAGS)} in /proc/cpuinfo): it would be "
+                                    "emulated, slower than fp32; use precision auto or fp32, or GPUs")
         return
     check_attention(stage, block)
     if stage == "rl" and block.get("colocate") and block.get("async_rollouts"):

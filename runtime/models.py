@@ -126,12 +126,29 @@ def model_positions(model_dir) -> int | None:
     return hf_config.get("max_position_embeddings") or hf_config.get("n_positions")
 
 
+NATIVE_BF16_FLAGS = ("amx_bf16", "avx512_bf16")  # /proc/cpuinfo flags of CPUs with bf16 matrix instructions
+
+
+def cpu_bf16_flags() -> list[str]:
+    """The native bf16 instructions of this machine's CPU, as /proc/cpuinfo names them (AMX, AVX-512 BF16); [] where
+    it has none or does not say (not Linux)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return []
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+    return [flag for flag in NATIVE_BF16_FLAGS if flag in flags]
+
+
 def model_dtype(precision: str) -> str:
-    """The torch dtype name a stage's models load in: `precision` auto is bf16 on GPUs and fp32 on CPU."""
+    """The torch dtype name a stage's models load in: `precision` auto is bf16 on GPUs and fp32 on CPU; bf16 on a CPU
+    needs its native bf16 instructions (cpu_bf16_flags). Trainers keep fp32 master weights either way (DeepSpeed)."""
     import torch
     if precision == "bf16" or (precision == "auto" and torch.cuda.is_available()):
-        if not torch.cuda.is_available():
-            raise ValueError("precision bf16 needs GPUs; on CPU use precision auto or fp32")
+        if not torch.cuda.is_available() and not cpu_bf16_flags():
+            raise ValueError(f"precision bf16 on a CPU needs its native bf16 instructions (/proc/cpuinfo flags "
+                             f"{' or '.join(NATIVE_BF16_FLAGS)}), which this one lacks: bf16 would be emulated, "
+                             "slower than fp32; use precision auto or fp32")
         return "bfloat16"
     return "float32"
 

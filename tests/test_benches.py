@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from runtime.models import cpu_bf16_flags
+
 REPO = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.e2e  # Ray actors, DeepSpeed ranks, vLLM
 
@@ -36,7 +38,9 @@ def test_throughput_bench_runs_a_tiny_step(tmp_path, tiny_model, script, rate):
     run_bench(script, "--tiny", "--steps", str(steps), "--warmup", "0", "--sides", ",".join(sides), "--model",
               str(tiny_model), "--out", str(out))
     result = json.loads(out.read_text())
-    assert set(result) == {*sides, "setup"}
+    assert set(result) == {*sides, "setup", "machine"}
+    assert result["machine"]["cores"] >= 1 and set(result["machine"]["native_bf16"]) <= {"amx_bf16", "avx512_bf16"}
+    assert all(rate > 0 for rate in result["machine"]["matmul_gflops"].values())
     assert result["setup"]["steps"] == steps and result["setup"]["warmup_steps_excluded"] == 0
     for side in map(result.get, sides):
         assert len(side["step_seconds"]) == steps and all(seconds > 0 for seconds in side["step_seconds"])
@@ -44,6 +48,18 @@ def test_throughput_bench_runs_a_tiny_step(tmp_path, tiny_model, script, rate):
         if script == "grpo_throughput.py":  # each phase of the rl stage's step was timed
             assert set(side["phase_seconds"]) == {"generate", "make_experience", "train", "weight_sync"}
             assert all(seconds > 0 for seconds in side["phase_seconds"].values())
+            assert side["train_gflops"] > 0
+
+
+@pytest.mark.skipif(not cpu_bf16_flags(), reason="this CPU has no native bf16 (AMX or AVX-512 BF16)")
+def test_the_grpo_bench_runs_in_bf16_on_a_cpu_with_native_bf16(tmp_path, tiny_model):
+    """`--precision bf16`: the rl stage's machinery with bf16 weights (DeepSpeed's fp32 master weights), bf16 frozen
+    models and a bf16 vLLM engine on the CPU, for one step."""
+    out = tmp_path / "result.json"
+    run_bench("grpo_throughput.py", "--tiny", "--steps", "1", "--warmup", "0", "--sides", "alignpipe", "--precision",
+              "bf16", "--model", str(tiny_model), "--out", str(out))
+    result = json.loads(out.read_text())
+    assert result["setup"]["precision"] == "bf16" and result["alignpipe"]["train_gflops"] > 0
 
 
 def test_every_grpo_bench_side_is_a_valid_rl_config(monkeypatch):

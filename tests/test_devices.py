@@ -23,11 +23,13 @@ import ray
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification, LlamaForTokenClassification
 
+from launcher import resources
 from launcher.config import stage_config, validate_config
 from runtime.actor_group import ActorGroup, bundles, reserve
 from runtime.experience import Rollout
 from runtime.logprobs import response_logprobs
 from runtime.rl_actors import CriticWorker, PolicyWorker, Roles
+from runtime import models
 from runtime.rollout import ENGINE_ACTOR_GPU, engine_options, engine_placement, start_engines
 from stages import dpo, reward_model, rl, sft
 
@@ -93,11 +95,36 @@ def test_losses_and_logprobs_stay_on_the_models_device():
     assert worker.loss(PAIRS)[0].device.type == "meta"
 
 
+def test_bf16_on_a_cpu_needs_its_native_bf16_instructions(monkeypatch):
+    """precision bf16 without GPUs: bfloat16 where the CPU has AMX or AVX-512 BF16, refused where it has neither (by
+    the launcher for this machine's jobs, by the stage where it starts); auto stays fp32 on CPU."""
+    if torch.cuda.is_available():
+        pytest.skip("a CPU-only check")
+    assert set(models.cpu_bf16_flags()) <= set(models.NATIVE_BF16_FLAGS)
+    monkeypatch.setattr(models, "cpu_bf16_flags", lambda: ["avx512_bf16"])
+    assert (models.model_dtype("bf16"), models.model_dtype("auto"), models.model_dtype("fp32")) == \
+        ("bfloat16", "float32", "float32")
+    monkeypatch.setattr(models, "cpu_bf16_flags", lambda: [])
+    with pytest.raises(ValueError, match="precision bf16 on a CPU needs its native bf16 instructions"):
+        models.model_dtype("bf16")
+    launcher = validate_config({})["launcher"]
+    job, sources = resources.stage_resources("sft", launcher)
+    params = {"sft": {"precision": "bf16", "num_workers": 1}}
+    monkeypatch.setattr(resources, "cpu_bf16_flags", lambda: ["amx_bf16"])
+    resources.check_fits("sft", params, job, sources)
+    monkeypatch.setattr(resources, "cpu_bf16_flags", lambda: [])
+    with pytest.raises(resources.LaunchConfigError, match=r"sft.precision = 'bf16' on this machine's CPU"):
+        resources.check_fits("sft", params, job, sources)
+    resources.check_fits("sft", params, job | {"cluster": "slurm"}, sources)  # a Slurm CPU node's: the stage checks
+
+
 def test_engine_options_and_placements_follow_the_config(tmp_path):
     vllm = validate_config({"rl": {"vllm": {"num_engines": 2, "tensor_parallel_size": 2}}})["rl"]["vllm"]
     (tmp_path / "config.json").write_text("{}")
-    cpu = engine_options(str(tmp_path), 0, 128, vllm, on_gpu=False, dtype="bfloat16", shares_gpu=False)
+    cpu = engine_options(str(tmp_path), 0, 128, vllm, on_gpu=False, dtype="float32", shares_gpu=False)
     assert cpu["dtype"] == "float32" and cpu["enforce_eager"] and "tensor_parallel_size" not in cpu
+    assert engine_options(str(tmp_path), 0, 128, vllm, on_gpu=False, dtype="bfloat16", shares_gpu=False)["dtype"] == \
+        "bfloat16"  # (precision bf16 on a CPU with native bf16)
     gpu = engine_options(str(tmp_path), 0, 128, vllm, on_gpu=True, dtype="bfloat16", shares_gpu=True)
     assert (gpu["dtype"], gpu["tensor_parallel_size"], gpu["distributed_executor_backend"]) == ("bfloat16", 2, "ray")
     assert gpu["gpu_memory_utilization"] == 0.5 and gpu["enforce_eager"] is False and gpu["enable_prefix_caching"]
