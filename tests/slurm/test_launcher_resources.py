@@ -152,8 +152,7 @@ def test_gpu_jobs_count_gpus_per_role():
         check_fits("rl", {"rl": rl | {"vllm": {"num_engines": 1, "sleep": True}}}, res2, sources2)
     cpu, cpu_sources = stage_resources("rl", launcher(), {})
     for gpu_only, key in [({"vllm": {"tensor_parallel_size": 2}}, "vllm.tensor_parallel_size"),
-                          ({"vllm": {"sleep": True}}, "vllm.sleep"), ({"offload_optimizer": True}, "offload_optimizer"),
-                          ({"precision": "bf16"}, "precision")]:
+                          ({"vllm": {"sleep": True}}, "vllm.sleep"), ({"offload_optimizer": True}, "offload_optimizer")]:
         with pytest.raises(LaunchConfigError, match=rf"rl.{key} = .* needs GPUs"):
             check_fits("rl", {"rl": {"num_workers": 1} | gpu_only}, cpu, cpu_sources)
     res, sources = stage_resources("sft", launcher(gpus_per_node=2), {})
