@@ -17,8 +17,8 @@ import yaml
 
 from runtime.judge import JudgeError, check_settings
 from runtime.models import LINEAR_LAYERS, vocabulary_mismatch
-from runtime.remote_reward import check_service, is_remote
-from runtime.rewards import reward_name
+from runtime.remote_reward import check_service
+from runtime.rewards import is_remote, reward_name
 from runtime.tracking import TrackingURIError, check_tracking_uri, config_hash
 from runtime.user_data import first_prompts, is_builtin, is_hub, repo_path
 

@@ -140,17 +140,21 @@ def base_model_config(config: dict) -> dict:
     return json.loads(built.read_text())
 
 
+def named_model_size(path: str, key: str) -> ModelSize:
+    """The size of the model a config key (`key`) names by its directory or hub id."""
+    return ModelSize.from_config(read_model_config(path, key), key)
+
+
 def model_sizes(config: dict) -> dict[str, ModelSize]:
     """The sizes of the base model, the policy (sft.from, or the base model that SFT trains) and the reward model
     (reward_model.from, or the policy with a score head)."""
     base = ModelSize.from_config(base_model_config(config), "model")
     policy = base
     if config["sft"]["from"]:
-        policy = ModelSize.from_config(read_model_config(config["sft"]["from"], "sft.from"), "sft.from")
+        policy = named_model_size(config["sft"]["from"], "sft.from")
     reward = policy
     if config["reward_model"]["from"]:
-        reward = ModelSize.from_config(read_model_config(config["reward_model"]["from"], "reward_model.from"),
-                                       "reward_model.from")
+        reward = named_model_size(config["reward_model"]["from"], "reward_model.from")
     return {"base": base, "policy": policy, "reward": reward}
 
 
@@ -322,7 +326,7 @@ def judge_size(judge: dict, sizes: dict) -> ModelSize:
     """The judge model's size: the base model's, or judge.model's directory's."""
     if judge["model"] == "base":
         return sizes["base"]
-    return ModelSize.from_config(read_model_config(judge["model"], "judge.model"), "judge.model")
+    return named_model_size(judge["model"], "judge.model")
 
 
 def _evaluate_estimate(params: dict, config: dict, sizes: dict, g: int, gpu_gb: float) -> Estimate:
@@ -381,7 +385,7 @@ def _rl_estimate(rl: dict, data: dict, sizes: dict, g: int, gpu_gb: float) -> Es
     critic, reward_model, sleep = rl["estimator"] == "gae", rl["reward"] == "model", vllm["sleep"]
     seq, new = data["max_prompt_tokens"] + rl["max_new_tokens"], rl["max_new_tokens"]
     sharded = rl["zero_stage"] == 3 and F > 1  # runtime/rl_actors.FrozenScorer: ZeRO-3 inference across the ranks
-    teacher = rl["teacher"] and ModelSize.from_config(read_model_config(rl["teacher"], "rl.teacher"), "rl.teacher")
+    teacher = rl["teacher"] and named_model_size(rl["teacher"], "rl.teacher")
     frozen_models = {"reference": m} | ({"reward model": rm} if reward_model else {}) | \
         ({"teacher": teacher} if teacher else {})
     frozen = {f"{name} (bf16{', sharded' if sharded else ''})": width * size.params / (F if sharded else 1) / GB

@@ -29,11 +29,6 @@ class RemoteRewardError(RuntimeError):
     names the URL."""
 
 
-def is_remote(reward) -> bool:
-    """Whether a reward is a service's URL rather than `model` or a reward file."""
-    return isinstance(reward, str) and reward.startswith(("http://", "https://"))
-
-
 def _headers(url: str, token_env: str | None) -> dict:
     """The request's headers, with the bearer token read now (a job's environment, not the launcher's, holds it)."""
     headers = {"Content-Type": "application/json"}

@@ -16,12 +16,19 @@ class RewardFileError(ValueError):
     """A reward file that cannot be used, or a reward_fn call that returned something unusable; names the file."""
 
 
+def is_remote(reward) -> bool:
+    """Whether a reward is a service's URL (runtime/remote_reward.py) rather than `model`, `judge` or a reward file."""
+    return isinstance(reward, str) and reward.startswith(("http://", "https://"))
+
+
 def reward_name(reward: str) -> str:
     """A reward's name in metrics and tables (reward_<name>): reward_model for `model`, judge for `judge`, remote for
     a reward service's URL, else the file's name."""
-    if reward in ("model", "judge"):
-        return {"model": "reward_model", "judge": "judge"}[reward]
-    return "remote" if reward.startswith(("http://", "https://")) else Path(reward).stem
+    if reward == "model":
+        return "reward_model"
+    if reward == "judge":
+        return "judge"
+    return "remote" if is_remote(reward) else Path(reward).stem
 
 
 def import_user_file(path: Path, error: type, what: str, kind: str):

@@ -19,8 +19,8 @@ from runtime.logprobs import (entropy_from_logits, forward_tokens, on_device, re
                               token_logprobs)
 from runtime.models import (device, load_causal_lm, load_reward_model, load_tokenizer, load_value_model, model_dtype,
                             release_cached_memory, vocabulary_mismatch)
-from runtime.remote_reward import RemoteReward, is_remote
-from runtime.rewards import load_reward_fn
+from runtime.remote_reward import RemoteReward
+from runtime.rewards import is_remote, load_reward_fn
 from runtime.rollout import generate_on, start_engines
 
 ROLE_CPUS = 0.25  # colocated roles share the job's cores; Ray CPU counts only place them

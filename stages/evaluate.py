@@ -38,8 +38,8 @@ from runtime.logprobs import (LOGITS_CHUNK_BYTES, logit_chunks, on_device, pad_p
                               token_logprobs)
 from runtime.judge import Judge, greedy_verdicts, judge_context
 from runtime.models import load_causal_lm, load_reward_model, load_tokenizer, model_dtype, release_cached_memory
-from runtime.remote_reward import RemoteReward, is_remote
-from runtime.rewards import call_reward_fn, load_reward_fn, reward_name
+from runtime.remote_reward import RemoteReward
+from runtime.rewards import call_reward_fn, is_remote, load_reward_fn, reward_name
 from runtime.rollout import VLLMEngine, generate_on, sampling_seed, start_engines
 from runtime.user_data import repo_path
 
@@ -201,8 +201,8 @@ def sample_or_play(generate, runner, rows: list[dict], prompt_ids: list[list[int
 
 
 def judged(cfg: Config, judge_dir: str, on_ray: bool, threads: int, rows: list[dict], samples: list) -> tuple:
-    """The judge's scores of the samples' replies and the Judge (its counts): its engines start once the evaluated
-    model's are gone, and are gone before the scorer's models load."""
+    """The judge's scores of the samples' replies and how many of its verdicts gave none: its engines start once the
+    evaluated model's are gone, and are gone before the scorer's models load (nothing returned holds them)."""
     context = judge_context(judge_dir)
     if on_ray:
         engines = start_engines(judge_dir, cfg.seed, context, cfg.judge["vllm"], threads, 1, cluster_gpus() > 0,
@@ -215,7 +215,7 @@ def judged(cfg: Config, judge_dir: str, on_ray: bool, threads: int, rows: list[d
     scores = judge([r["prompt"] for r in rows], [s[0]["text"] for s in samples], [r["label"] for r in rows])
     if on_ray:
         stop_engines(engines)
-    return scores, judge
+    return scores, judge.unparsed
 
 
 def node_gpus() -> int:
@@ -312,7 +312,7 @@ def run(cfg: Config, inputs: dict, output: Path, tracker) -> None:
         metrics |= {"env_" + key.removeprefix("env_"): value
                     for key, value in summarise([c["episode"] for c in completions]).items()}
     if judging:
-        metrics["judge_unparsed"] = judging[1].unparsed
+        metrics["judge_unparsed"] = judging[1]
     if references is not None:
         nll = -sum(lp for lp, _, _ in references) / sum(n for _, _, n in references)
         metrics["perplexity"] = float(torch.tensor(nll).exp())

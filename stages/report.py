@@ -23,7 +23,7 @@ import tempfile
 from pathlib import Path
 
 from reports import figures, tables
-from runtime.rewards import reward_name
+from runtime.rewards import is_remote, reward_name
 from runtime.user_data import repo_path
 
 USES_RAY = False
@@ -64,7 +64,7 @@ def describe_reward(reward: str | None, teacher: str | None = None) -> str:
         return "the reward model's score"
     if reward == "judge":
         return "an LLM judge's score (the `judge` block)"
-    if reward.startswith(("http://", "https://")):
+    if is_remote(reward):
         return f"the reward service at {reward}"
     doc = ast.get_docstring(ast.parse(repo_path(reward).read_text())) or ""
     return f"`{reward}`" + (f": {doc.splitlines()[0]}" if doc else "")

@@ -9,7 +9,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from runtime.remote_reward import RemoteReward, RemoteRewardError, check_service, is_remote
+from runtime.remote_reward import RemoteReward, RemoteRewardError, check_service
+from runtime.rewards import is_remote
 
 TOKEN = "s3cret-token-do-not-print"
 

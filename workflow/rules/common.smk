@@ -10,7 +10,7 @@ from launcher.code_hash import stage_code_hash
 from launcher.checks import check_before_queueing
 from launcher.config import (ConfigError, benchmark_params, dag_stages, evaluate_params, method_seeds, preprocess_params,
                              read_config_file, report_params, rl_variant, seeded_models, stage_jobs, validate_config)
-from runtime.remote_reward import is_remote
+from runtime.rewards import is_remote
 from runtime.user_data import DataError, ROLES, is_builtin, is_hub
 
 try:
