@@ -138,7 +138,7 @@ def stage_resources(stage: str, launcher: dict, profile: dict | None = None) -> 
     for key, value in (profile or {}).items():
         if key in FOREIGN_RESOURCES:
             raise LaunchConfigError(f"Snakemake resource `{key}` of rule {stage} is not read by alignpipe's "
-                                    f"launcher; use `{FOREIGN_RESOURCES[key]}` (README, 'Cluster use')")
+                                    f"launcher; use `{FOREIGN_RESOURCES[key]}` (docs/cluster.md)")
         if key in RESOURCE_KEYS:
             resources[key], sources[key] = value, f"Snakemake resource `{key}` of rule {stage} (profile)"
     for key in RESOURCE_KEYS:

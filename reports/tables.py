@@ -51,19 +51,23 @@ def by_method(runs: list[dict]) -> dict[str, list[dict]]:
 
 def summarise(runs: list[dict], keys: list[str]) -> list[dict]:
     """One row per method, in the order methods first appear: n, and per key (mean, std) over the method's runs
-    (std is the sample standard deviation; None for a single run)."""
+    (std is the sample standard deviation; None for a single run; both None where the runs did not log the key, e.g.
+    final_kl without a KL penalty)."""
     rows = []
     for method, group in by_method(runs).items():
         row = {"method": method, "n": len(group), "runs": group}
         for key in keys:
-            values = [r["metrics"][key] for r in group]
-            row[key] = (statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else None)
+            values = [r["metrics"][key] for r in group if key in r["metrics"]]
+            row[key] = (statistics.fmean(values) if values else None, statistics.stdev(values) if len(values) > 1
+                        else None)
         rows.append(row)
     return rows
 
 
 def cell(value: tuple, fmt: str, pm: str = " ± ") -> str:
     mean, std = value
+    if mean is None:
+        return "–"
     return fmt.format(mean) if std is None else fmt.format(mean) + pm + fmt.format(std)
 
 
@@ -103,7 +107,8 @@ def latex_table(header: str, body: list[str], columns: int, caption: str, label:
 def latex(rows: list[dict], columns: list[tuple], caption: str, label: str, source: dict) -> str:
     header = "method & seeds & " + " & ".join(latex_escape(title) for _, title, _ in columns)
     body = [f"{latex_escape(row['method'])} & {row['n']} & "
-            + " & ".join("$" + cell(row[key], fmt, " \\pm ") + "$" for key, _, fmt in columns) for row in rows]
+            + " & ".join("--" if row[key][0] is None else "$" + cell(row[key], fmt, " \\pm ") + "$"
+                         for key, _, fmt in columns) for row in rows]
     return latex_table(header, body, len(columns), caption, label, source)
 
 

@@ -1,6 +1,6 @@
 """What the stages run on, inside their jobs: models, data, losses, advantages, LoRA, the DeepSpeed rank, Ray actor
 groups, the trainer loop, checkpoints, vLLM rollouts, tracking, progress lines, the Ray bring-up and the job
-runner itself. One module per job; see the README's layout table.
+runner itself. One module per job; see the layout table in docs/development.md.
 
 Importing this package also leaves out two optional imports that cost each process seconds of CPU at its start, for
 features no stage uses (`UnusedOptionalImports`)."""

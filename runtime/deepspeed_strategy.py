@@ -3,7 +3,8 @@
 Subclasses (the per-stage Ray workers) implement `setup(cfg, rank)`, given the stage's Config, and `loss(batch)`;
 this base owns everything else. On GPUs each rank uses the one GPU Ray gave it (Ray's CUDA_VISIBLE_DEVICES names only
 that GPU, so it is device 0), NCCL between ranks, bf16 weights with fp32 master weights in DeepSpeed's optimizer
-(`precision`). On CPU the backend is gloo, everything fp32, and the optimizer is torch's fused AdamW
+(`precision`). On CPU the backend is gloo, the weights bf16 where the CPU has native bf16 (the same fp32 master weights)
+or fp32 (`precision` auto: runtime/models.resolved_precision), and the optimizer is torch's fused AdamW
 (DeepSpeedCPUAdam would JIT-compile for minutes; the fused kernel steps SmolLM2-135M in 0.14 s on 2 cores, the
 default per-tensor loop in 0.8 s). GPUs step the same torch AdamW: DeepSpeed's FusedAdam would JIT-build a CUDA
 extension (nvcc) that GPU nodes often lack, so `offload_states` (rl.vllm.sleep) moves its states itself.

@@ -265,16 +265,19 @@ def make_experience(roles, cfg, rollout: Rollout, kl_coef: float, reward_stats: 
         scores = (scores - reward_stats["mean"]) / max(reward_stats["std"], 1e-6)
     if cfg.reward_clip:
         scores = scores.clamp(-cfg.reward_clip, cfg.reward_clip)
-    rollout.ref_logp = torch.cat(split_call(roles.reference, "logprobs", rollout))
+    if cfg.kl_coef:  # without a KL penalty (DAPO's recipe) the reference's log-probs would go unused: not computed
+        rollout.ref_logp = torch.cat(split_call(roles.reference, "logprobs", rollout))
     once = trains_once(cfg)
     if not once:
         rollout.old_logp = torch.cat(split_call(roles.policy, "logprobs", rollout))
     sampled = rollout.rollout_logp if once else rollout.old_logp  # vLLM's log-probs come from the same weights
     mask = rollout.mask
-    kl = losses.kl_estimate(sampled, rollout.ref_logp, cfg.kl_estimator) * mask
     token_rewards = place_rewards(rollout, scores, bool(cfg.environment and cfg.environment["turn_rewards"]))
-    if cfg.kl_in_reward:
-        token_rewards = token_rewards - kl_coef * kl
+    if cfg.kl_coef:
+        kl = losses.kl_estimate(sampled, rollout.ref_logp, cfg.kl_estimator) * mask
+        metrics["kl"] = kl.sum(-1).mean().item()
+        if cfg.kl_in_reward:
+            token_rewards = token_rewards - kl_coef * kl
     if roles.teacher is not None:  # a dense reward: the teacher's log-ratio at every sampled token
         log_ratio = teacher_log_ratio(roles, rollout, sampled)
         token_rewards = token_rewards + cfg.teacher_coef * log_ratio
@@ -289,7 +292,7 @@ def make_experience(roles, cfg, rollout: Rollout, kl_coef: float, reward_stats: 
     lengths = rollout.lengths()
     metrics |= {"reward_mean": statistics.fmean(raw), "truncated": statistics.fmean(map(float, rollout.truncated))
                 if rollout.truncated else 0.0, "reward_std": statistics.pstdev(raw),
-               "kl": (kl.sum(-1)).mean().item(), "response_length": lengths.mean().item(),
+               "response_length": lengths.mean().item(),
                "advantage_mean": losses.masked_mean(advantages, mask).item(),
                "advantage_std": advantages[mask.bool()].std().item() if mask.sum() > 1 else 0.0}
     if rollout.episodes:

@@ -21,6 +21,7 @@ from pathlib import Path
 import submitit
 
 from runtime import checkpoints, tracking
+from runtime.models import resolved_precision
 from runtime.progress import StallWatch, beat, raise_if_stalled
 
 # Set for every job and Ray worker: no hub downloads (unless the config allows them: set_job_env), quiet tokenizers,
@@ -108,11 +109,15 @@ class StageJob(submitit.helpers.Checkpointable):
         seed = self.params.get("seed", 0)
         random.seed(seed)
         cfg = module.Config.from_params(self.params)
+        # What `precision: auto` became on this job's devices (bf16 or fp32): recorded, since numbers differ between them
+        precision = resolved_precision(cfg.precision, self.resources.get("gpus_per_node", 0) > 0) \
+            if hasattr(cfg, "precision") else None
         try:
             with tracking.stage_run(self.tracking_uri, self.experiment, self.run_name, self.params) as tracker:
                 tracker.checkpoint_dir = ckpt  # persistent across requeues; removed below once the stage succeeded
                 module.run(cfg, {k: _paths(v) for k, v in self.inputs.items()}, partial, tracker)
-                job = job_record(self.resources, ray_nodes, tracker.placements)
+                job = job_record(self.resources, ray_nodes, tracker.placements) | \
+                    ({"precision": precision} if precision else {})
                 _tag_run(tracker, job)
                 (partial / "stage.json").write_text(json.dumps(
                     {"stage": self.stage, "params": self.params, "config_hash": tracking.config_hash(self.params),
@@ -155,4 +160,6 @@ def _tag_run(tracker, job: dict) -> None:
         tags["ray.actors"] = json.dumps([{k: p[k] for k in ("group", "rank", "hostname", "ip")} for p in job["actors"]])
     if "slurm" in job:
         tags["slurm.restarts"] = str(job["slurm"]["restarts"])
+    if "precision" in job:
+        tags["precision"] = job["precision"]
     tracker.set_tags({key: value[:5000] for key, value in tags.items()})  # retried, else buffered: never fatal

@@ -140,17 +140,26 @@ def cpu_bf16_flags() -> list[str]:
     return [flag for flag in NATIVE_BF16_FLAGS if flag in flags]
 
 
-def model_dtype(precision: str) -> str:
-    """The torch dtype name a stage's models load in: `precision` auto is bf16 on GPUs and fp32 on CPU; bf16 on a CPU
-    needs its native bf16 instructions (cpu_bf16_flags). Trainers keep fp32 master weights either way (DeepSpeed)."""
-    import torch
-    if precision == "bf16" or (precision == "auto" and torch.cuda.is_available()):
-        if not torch.cuda.is_available() and not cpu_bf16_flags():
-            raise ValueError(f"precision bf16 on a CPU needs its native bf16 instructions (/proc/cpuinfo flags "
-                             f"{' or '.join(NATIVE_BF16_FLAGS)}), which this one lacks: bf16 would be emulated, "
-                             "slower than fp32; use precision auto or fp32")
-        return "bfloat16"
-    return "float32"
+def resolved_precision(precision: str, gpus: bool) -> str:
+    """What `precision` means where the models run: auto is bf16 on GPUs and on a CPU with native bf16 instructions
+    (cpu_bf16_flags: AMX or AVX-512 BF16, several times fp32's matmul rate), fp32 on any other CPU. bf16 on a CPU
+    without them is refused: it would be emulated, far slower than fp32."""
+    if precision == "auto":
+        return "bf16" if gpus or cpu_bf16_flags() else "fp32"
+    if precision == "bf16" and not gpus and not cpu_bf16_flags():
+        raise ValueError(f"precision bf16 on a CPU needs its native bf16 instructions (/proc/cpuinfo flags "
+                         f"{' or '.join(NATIVE_BF16_FLAGS)}), which this one lacks: bf16 would be emulated, "
+                         "slower than fp32; use precision auto or fp32")
+    return precision
+
+
+def model_dtype(precision: str, gpus: bool | None = None) -> str:
+    """The torch dtype name a stage's models load in (resolved_precision) on GPUs or not (None: this process's device;
+    a driver that starts actors on a job's GPUs says so). Trainers keep fp32 master weights either way (DeepSpeed)."""
+    if gpus is None:
+        import torch
+        gpus = torch.cuda.is_available()
+    return "bfloat16" if resolved_precision(precision, gpus) == "bf16" else "float32"
 
 
 def device():

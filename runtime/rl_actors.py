@@ -226,7 +226,7 @@ class Roles:
                                                      cpus_per_actor=cpus, gpus_per_actor=gpu, shared=shared,
                                                      threads=trainer_threads)
         engines = lambda: start_engines(policy_dir, cfg.seed, max_len, cfg.vllm, engine_threads, cpus, self.gpus,
-                                        model_dtype(cfg.precision), shared, gpu)
+                                        model_dtype(cfg.precision, self.gpus), shared, gpu)
         # On CPU the engines start first (start_engines does not wait for them): vLLM's start-up runs while the
         # trainers and scorers load. On GPUs they start last, so that the trainers' GPUs are reserved as planned.
         self.engines = None if self.gpus else engines()
@@ -245,7 +245,7 @@ class Roles:
             context = judge_context(inputs["judge_model"])
             self.judge_engines = start_engines(str(inputs["judge_model"]), cfg.seed, context, cfg.judge["vllm"],
                                                engine_threads, cpus, self.gpus,
-                                               model_dtype(cfg.precision))
+                                               model_dtype(cfg.precision, self.gpus))
             verdicts = greedy_verdicts(lambda *args: generate_on(self.judge_engines, *args), context)
             self.reward_file, self.reward_fn = "judge", Judge(cfg.judge, load_tokenizer(inputs["judge_model"]), verdicts)
         elif is_remote(cfg.reward):

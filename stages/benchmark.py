@@ -31,7 +31,7 @@ from runtime.answer_scoring import (MathVerifier, majority_at_k, normalise_answe
 from runtime.builtin_data import arithmetic_rows
 from runtime.environments import EpisodeRunner, context_length
 from runtime.logprobs import pad_prompt_response, response_logits, token_logprobs
-from runtime.models import load_tokenizer, model_positions
+from runtime.models import load_tokenizer, model_dtype, model_positions
 from runtime.rewards import RewardFileError, call_reward_fn, load_reward_fn
 from runtime.rollout import generate_on, sampling_seed, start_engines
 from runtime.user_data import is_builtin, load_records, repo_path
@@ -48,6 +48,7 @@ class Config:
     seed: int
     benchmark: dict  # the schema's benchmarks.<name>, resolved (launcher/config.resolve_benchmarks)
     vllm: dict  # evaluate.vllm
+    precision: str  # evaluate.precision: the engines' and the choice scorer's weights
     chat: dict  # data.apply_chat_template, data.input_template
     environment: dict | None = None  # the experiment's, where the benchmark plays episodes (benchmarks.<name>.environment)
 
@@ -134,13 +135,15 @@ class Models:
         self.close_scorer()
         if self.engines is None:
             if not self.on_ray:  # one engine gives the samples of several (each request keeps its seed)
-                self.engines = [Engine(self.model_dir, self.cfg.seed, self.max_len, self.cfg.vllm, self.threads)]
+                self.engines = [Engine(self.model_dir, self.cfg.seed, self.max_len, self.cfg.vllm, self.threads,
+                                       model_dtype(self.cfg.precision))]
             else:
                 if self.gpus and self.cfg.vllm["tensor_parallel_size"] > 1:
                     check_gpus_shareable(f"evaluate.vllm.tensor_parallel_size = {self.cfg.vllm['tensor_parallel_size']}"
                                          " (an engine's actor beside its vLLM worker)")
                 self.engines = start_engines(self.model_dir, self.cfg.seed, self.max_len, self.cfg.vllm, self.threads,
-                                             1, self.gpus, engine_cls=Engine)
+                                             1, self.gpus, model_dtype(self.cfg.precision, self.gpus),
+                                             engine_cls=Engine)
         sampling = (1, temperature, top_p, max_new_tokens, seed)
         if not self.on_ray:
             samples = self.engines[0].generate(requests, *sampling, seeds=seeds)
@@ -153,9 +156,10 @@ class Models:
         if self.scorer is None:
             if self.on_ray:
                 self.scorer = ray.remote(num_cpus=1, num_gpus=node_gpus())(ChoiceScorer).remote(
-                    self.tokenizer.pad_token_id, actor_threads(1, self.threads, takes_turns=not self.gpus))
+                    self.tokenizer.pad_token_id, actor_threads(1, self.threads, takes_turns=not self.gpus),
+                    self.cfg.precision)
             else:
-                self.scorer = ChoiceScorer(self.tokenizer.pad_token_id, self.threads)
+                self.scorer = ChoiceScorer(self.tokenizer.pad_token_id, self.threads, self.cfg.precision)
             self.call("hold", model_dir=self.model_dir, reference_dir=self.model_dir)
         return self.call("continuation_logprobs", contexts, continuations)
 

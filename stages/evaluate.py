@@ -62,6 +62,7 @@ class Config:
     rewards: list
     vllm: dict  # the schema's evaluate.vllm: engines and their GPUs
     seed: int
+    precision: str = "auto"  # the scorer's models and the engines' weights (runtime/models.resolved_precision)
     environment: dict | None = None  # the experiment's environment block: its episodes are evaluated
     judge: dict | None = None  # the judge block, where a reward is judge (runtime/judge.py)
     remote_reward: dict | None = None  # how a reward service is called, where a reward is a URL
@@ -106,10 +107,11 @@ def spread_over_gpus(model, free_bytes: dict[int, int]) -> dict:
     return device_map
 
 
-def load_for_scoring(loader, path: str):
-    """A model to score with, in eval mode: on the CPU in fp32; on GPUs in bf16, its layers spread over every GPU this
-    process sees (spread_over_gpus, by their free memory: a model loaded before takes its part first)."""
-    model = loader(path, model_dtype("auto")).eval()
+def load_for_scoring(loader, path: str, precision: str):
+    """A model to score with, in eval mode, in `precision` (auto: bf16 on GPUs and on CPUs with native bf16, else
+    fp32); on GPUs its layers spread over every GPU this process sees (spread_over_gpus, by their free memory: a
+    model loaded before takes its part first)."""
+    model = loader(path, model_dtype(precision)).eval()
     if not torch.cuda.is_available():
         return model
     from accelerate import dispatch_model
@@ -121,9 +123,9 @@ class Scorer:
     """Teacher-forced scores under the models it holds (`hold`, one phase's at a time): the reward model's scores of
     the samples; the evaluated model's log-probabilities and their exact KL to the reference's."""
 
-    def __init__(self, pad_id: int, num_threads: int):
+    def __init__(self, pad_id: int, num_threads: int, precision: str):
         torch.set_num_threads(num_threads)
-        self.pad_id = pad_id
+        self.pad_id, self.precision = pad_id, precision
         self.model = self.reference = self.reward_model = None
 
     def hold(self, model_dir: str | None = None, reference_dir: str | None = None,
@@ -132,11 +134,11 @@ class Scorer:
         self.model = self.reference = self.reward_model = None
         release_cached_memory()
         if model_dir:
-            self.model = load_for_scoring(load_causal_lm, model_dir)
-            self.reference = self.model if reference_dir == model_dir else load_for_scoring(load_causal_lm,
-                                                                                             reference_dir)
+            self.model = load_for_scoring(load_causal_lm, model_dir, self.precision)
+            self.reference = self.model if reference_dir == model_dir else \
+                load_for_scoring(load_causal_lm, reference_dir, self.precision)
         if reward_model_dir:
-            self.reward_model = load_for_scoring(load_reward_model, reward_model_dir)
+            self.reward_model = load_for_scoring(load_reward_model, reward_model_dir, self.precision)
 
     @torch.no_grad()
     def reward_model_scores(self, prompts: list[list[int]], responses: list[list[int]]) -> list[float]:
@@ -205,11 +207,12 @@ def judged(cfg: Config, judge_dir: str, on_ray: bool, threads: int, rows: list[d
     evaluated model's are gone, and are gone before the scorer's models load (nothing returned holds them)."""
     context = judge_context(judge_dir)
     if on_ray:
-        engines = start_engines(judge_dir, cfg.seed, context, cfg.judge["vllm"], threads, 1, cluster_gpus() > 0,
-                                engine_cls=Engine)
+        gpus = cluster_gpus() > 0
+        engines = start_engines(judge_dir, cfg.seed, context, cfg.judge["vllm"], threads, 1, gpus,
+                                model_dtype(cfg.precision, gpus), engine_cls=Engine)
         generate = lambda *args: generate_on(engines, *args)
     else:
-        engine = Engine(judge_dir, cfg.seed, context, cfg.judge["vllm"], threads)
+        engine = Engine(judge_dir, cfg.seed, context, cfg.judge["vllm"], threads, model_dtype(cfg.precision))
         generate = engine.generate
     judge = Judge(cfg.judge, load_tokenizer(judge_dir), greedy_verdicts(generate, context))
     scores = judge([r["prompt"] for r in rows], [s[0]["text"] for s in samples], [r["label"] for r in rows])
@@ -243,9 +246,9 @@ def run(cfg: Config, inputs: dict, output: Path, tracker) -> None:
             check_gpus_shareable(f"evaluate.vllm.tensor_parallel_size = {cfg.vllm['tensor_parallel_size']} (an "
                                  "engine's actor beside its vLLM worker)")
         engines = start_engines(str(inputs["model"]), cfg.seed, max_len, cfg.vllm, threads, 1, gpus,
-                                engine_cls=Engine)
+                                model_dtype(cfg.precision, gpus), engine_cls=Engine)
         new_scorer = lambda: ray.remote(num_cpus=1, num_gpus=node_gpus())(Scorer).remote(
-            tokenizer.pad_token_id, actor_threads(1, threads, takes_turns=not gpus))
+            tokenizer.pad_token_id, actor_threads(1, threads, takes_turns=not gpus), cfg.precision)
         # On CPU the scorer's process starts while the engines generate (it loads no model until `hold`); on GPUs it
         # waits for the engines' GPUs.
         scorer = None if gpus else new_scorer()
@@ -254,7 +257,7 @@ def run(cfg: Config, inputs: dict, output: Path, tracker) -> None:
         samples = sample_or_play(generate, runner, rows, prompt_ids, sampling)
         stop_engines(engines)  # their GPUs, KV caches and cores go to the judge, then the scorer
     else:  # one engine gives the samples of several (each request keeps its own seed: runtime/rollout.py)
-        engine = Engine(str(inputs["model"]), cfg.seed, max_len, cfg.vllm, threads)
+        engine = Engine(str(inputs["model"]), cfg.seed, max_len, cfg.vllm, threads, model_dtype(cfg.precision))
         generate = lambda ids, seeds=None, max_tokens=None: engine.generate(
             ids, *sampling[:3], max_tokens or sampling[3], sampling[4], seeds=seeds)
         samples = sample_or_play(generate, runner, rows, prompt_ids, sampling)
@@ -265,7 +268,7 @@ def run(cfg: Config, inputs: dict, output: Path, tracker) -> None:
         scorer = scorer or new_scorer()
         call = lambda method, *args, **kwargs: ray.get(getattr(scorer, method).remote(*args, **kwargs))
     else:
-        scorer = Scorer(tokenizer.pad_token_id, threads)
+        scorer = Scorer(tokenizer.pad_token_id, threads, cfg.precision)
         call = lambda method, *args, **kwargs: getattr(scorer, method)(*args, **kwargs)
     completions = [s[0] for s in samples]
     texts = [c["text"] for c in completions]

@@ -310,13 +310,14 @@ def run(cfg: Config, inputs: dict, output: Path, tracker) -> None:
             roles.sync_weights()
             timings["time_weight_sync"] = time.perf_counter() - t0
             step = s + 1
-            kl_coef = adapt_kl(kl_coef, metrics["kl"], cfg)
+            kl_coef = adapt_kl(kl_coef, metrics["kl"], cfg) if "kl" in metrics else kl_coef
             counts = roles.reward_counts()  # since the step before (held-out scoring included)
             metrics |= timings | {"kl_coef": kl_coef} | {k: n - counted.get(k, 0) for k, n in counts.items()}
             counted = counts
             tracker.log_metrics(metrics, step=step)
             log.append({"step": step, "loss": metrics["policy_loss"], **metrics, "prompt_ids": [p["id"] for p in batch]})
-            progress.update(step, reward=metrics["reward_mean"], kl=metrics["kl"], clip=metrics["clip_fraction"])
+            progress.update(step, reward=metrics["reward_mean"], **{k: metrics[k] for k in ("kl",) if k in metrics},
+                            clip=metrics["clip_fraction"])
             if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:  # (the last step's: after the loop)
                 validate(step)
             if ckpt_dir and step % cfg.checkpoint_every == 0 and step < cfg.steps:
@@ -347,10 +348,11 @@ def run(cfg: Config, inputs: dict, output: Path, tracker) -> None:
             shutil.move(path, output / path.name)
     shutil.rmtree(best_root, ignore_errors=True)
     chosen = {"best_step": best_step, "best_eval_reward": best_reward, "kept_step": kept_step}
-    tracker.log_metrics({"eval_reward_before": eval_before, "final_kl": log[-1]["kl"]} | chosen, step=step)
+    final_kl = {"final_kl": log[-1]["kl"]} if "kl" in log[-1] else {}  # (none without a KL penalty: no reference)
+    tracker.log_metrics({"eval_reward_before": eval_before} | final_kl | chosen, step=step)
     trainer.save_log(output, log)
     summary = {"variant": cfg.name, "estimator": cfg.estimator, "steps": step, "eval_reward_before": eval_before,
-               "eval_reward": eval_after, "final_reward_mean": log[-1]["reward_mean"], "final_kl": log[-1]["kl"]}
+               "eval_reward": eval_after, "final_reward_mean": log[-1]["reward_mean"]} | final_kl
     if teacher_kls:
         summary |= {"eval_teacher_kl_before": teacher_kls[0][1], "eval_teacher_kl": teacher_kls[-1][1]}
     (output / "metrics.json").write_text(json.dumps(summary | chosen, indent=2))

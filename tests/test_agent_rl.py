@@ -14,8 +14,8 @@ from test_rl_resume import RL_TOLERANCE, read_log
 from test_user_experiment import data_rows, made_stages, planned_jobs
 
 pytestmark = pytest.mark.e2e
-COMPARED = ("reward_mean", "reward_std", "kl", "policy_loss", "response_length", "episode_turns",
-            "episode_env_tokens", "episode_truncated")
+COMPARED = ("reward_mean", "reward_std", "policy_loss", "response_length", "episode_turns", "episode_env_tokens",
+            "episode_truncated")
 
 
 @pytest.fixture(scope="module")
@@ -38,6 +38,7 @@ def test_grpo_trains_on_episodes_and_evaluates_them_on_held_out_problems(agent_r
         log = data_rows(results / "rl" / variant / "seed1234" / "train_log.jsonl")
         assert len(log) == 4 and all(0 <= s["episode_truncated"] <= 1 and s["episode_errors"] == 0 for s in log)
         assert any(s["reward_std"] > 0 and s["policy_loss"] != 0 for s in log)  # rewards differ: it trains
+        assert not any("kl" in s for s in log)  # kl_coef 0: the reference's log-probs are not computed
         [run] = client.search_runs([client.get_experiment_by_name("agent-calculator").experiment_id],
                                    f"attributes.run_name = 'rl/{variant}/seed1234'")
         # a random model seldom writes a number: the calculator asks again, so episodes take more than one turn
@@ -55,6 +56,9 @@ def test_grpo_trains_on_episodes_and_evaluates_them_on_held_out_problems(agent_r
         assert "You can use a calculator" in sample["episode"] and sample["stats"]["turns"] >= 1
     table = list(csv.DictReader((results / "report" / "results.csv").open()))
     assert [row["method"] for row in table] == list(models)
+    rl_table = list(csv.DictReader((results / "report" / "rl.csv").open()))  # no KL to report: an empty cell, a dash
+    assert [(row["method"], row["final_kl_mean"]) for row in rl_table] == [("grpo", ""), ("ppo", "")]
+    assert all(line.endswith("| – |") for line in (results / "report" / "rl.md").read_text().splitlines()[2:4])
     assert all(0 <= float(row["env_success_mean"]) <= 1 and float(row["env_turns_mean"]) > 1 for row in table)
     # the benchmark plays 2 episodes per test problem: avg@2 and pass@2 of their success
     for model in models:

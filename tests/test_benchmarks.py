@@ -65,7 +65,7 @@ class ChatTokenizer:
 
 def bench_config(chat: bool, **keys) -> Config:
     bench = config_with({"b": ARITH | keys})["benchmarks"]["b"]
-    return Config(name="b", model="base", seed=0, benchmark=bench, vllm={},
+    return Config(name="b", model="base", seed=0, benchmark=bench, vllm={}, precision="fp32",
                   chat={"apply_chat_template": chat, "input_template": None if chat else "Q: {}\nA: "})
 
 

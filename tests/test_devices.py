@@ -96,15 +96,19 @@ def test_losses_and_logprobs_stay_on_the_models_device():
 
 
 def test_bf16_on_a_cpu_needs_its_native_bf16_instructions(monkeypatch):
-    """precision bf16 without GPUs: bfloat16 where the CPU has AMX or AVX-512 BF16, refused where it has neither (by
-    the launcher for this machine's jobs, by the stage where it starts); auto stays fp32 on CPU."""
+    """Without GPUs precision auto is bf16 where the CPU has AMX or AVX-512 BF16 and fp32 where it has neither; bf16
+    there is refused (by the launcher for this machine's jobs, by the stage where it starts). On GPUs auto is bf16."""
     if torch.cuda.is_available():
         pytest.skip("a CPU-only check")
     assert set(models.cpu_bf16_flags()) <= set(models.NATIVE_BF16_FLAGS)
+    assert models.model_dtype("auto") == ("bfloat16" if models.cpu_bf16_flags() else "float32")  # this machine's
     monkeypatch.setattr(models, "cpu_bf16_flags", lambda: ["avx512_bf16"])
     assert (models.model_dtype("bf16"), models.model_dtype("auto"), models.model_dtype("fp32")) == \
-        ("bfloat16", "float32", "float32")
+        ("bfloat16", "bfloat16", "float32")
     monkeypatch.setattr(models, "cpu_bf16_flags", lambda: [])
+    assert (models.model_dtype("auto"), models.model_dtype("fp32"), models.model_dtype("auto", gpus=True)) == \
+        ("float32", "float32", "bfloat16")
+    assert [models.resolved_precision(p, gpus=True) for p in ("auto", "bf16", "fp32")] == ["bf16", "bf16", "fp32"]
     with pytest.raises(ValueError, match="precision bf16 on a CPU needs its native bf16 instructions"):
         models.model_dtype("bf16")
     launcher = validate_config({})["launcher"]

@@ -133,7 +133,7 @@ def held(scorer) -> list[str]:
 def test_the_scorer_holds_one_phase_of_models_and_scores_as_before(scored_models, evaluated):
     dirs, prompts, responses = scored_models
     old = ScorerOfThree(dirs[evaluated], dirs["base"], dirs["reward"])
-    scorer = evaluate.Scorer(models.load_tokenizer(dirs[evaluated]).pad_token_id, torch.get_num_threads())
+    scorer = evaluate.Scorer(models.load_tokenizer(dirs[evaluated]).pad_token_id, torch.get_num_threads(), "fp32")
     scorer.hold(reward_model_dir=dirs["reward"])
     assert held(scorer) == ["reward_model"]
     assert scorer.reward_model_scores(prompts, responses) == pytest.approx(old.reward_model_scores(prompts, responses),

@@ -74,7 +74,7 @@ def test_forwards_that_generate_nothing_keep_no_kv_cache():
     frozen.model = scorer
     frozen.scores(rows)
     reward_model.score_pairs(scorer, Tokenizer(), [{"prompt": "ab", "chosen": "cd", "rejected": "e"}])
-    evaluation = evaluate.Scorer(0, 1)
+    evaluation = evaluate.Scorer(0, 1, "fp32")
     evaluation.model = evaluation.reference = lm
     evaluation.reward_model = scorer
     evaluation.sequence_logprobs([[5, 6]], [[7, 8]], with_reference=True)

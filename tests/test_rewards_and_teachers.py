@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 from pipeline_helpers import snakemake, submit_again
+from runtime.models import cpu_bf16_flags
 from test_remote_reward import dead_url
 from test_user_experiment import WORDS, build_user_model, data_rows, made_stages, planned_jobs, write_user_files
 
@@ -49,6 +50,20 @@ def test_rl_against_a_reward_service_that_answers_late_once(rewards_run):
     assert [row["method"] for row in table] == ["distil"] and float(table[0]["reward_remote_mean"]) > 0
     report = (results / "report" / "report.md").read_text()
     assert f"the reward service at {service.url}" in report and "an LLM judge's score" in report
+
+
+def test_precision_auto_is_recorded_as_what_it_became_on_this_cpu(rewards_run):
+    """The run leaves precision at auto: its stages ran in bf16 on a CPU with native bf16 instructions and in fp32 on
+    one without, and stage.json and the MLflow run say which."""
+    from mlflow.tracking import MlflowClient
+    expected = "bf16" if cpu_bf16_flags() else "fp32"
+    client = MlflowClient(f"sqlite:///{rewards_run['results'].parent / 'mlflow.db'}")
+    for stage in ("rl/remote/seed0", "rl/distil/seed0", "evaluate/distil/seed0"):
+        record = json.loads((rewards_run["results"] / stage / "stage.json").read_text())
+        section = record["params"]["evaluate" if stage.startswith("evaluate") else "rl"]
+        assert section["precision"] == "auto" and record["job"]["precision"] == expected, (stage, record["job"])
+        assert client.get_run(record["mlflow_run_id"]).data.tags["precision"] == expected
+    assert "precision" not in json.loads((rewards_run["results"] / "report" / "stage.json").read_text())["job"]
 
 
 def test_a_reward_service_that_stays_down_fails_the_stage_naming_it(rewards_run, tmp_path):

@@ -1,7 +1,7 @@
 """A new user's experiments, with none of the packaged data: their own model directory (tiny random Qwen2, GPT-2 and
 Mistral models, built and saved here as a user has them), their SFT, preference, RL-prompt and eval files, their
-reward file. Every stage through a Qwen2 chat model; the three experiments of config/ (README, "Your own model and
-data"), each holding only its stages: RL with a verifiable reward on a given instruct model (built-in arithmetic,
+reward file. Every stage through a Qwen2 chat model; the three experiments of config/ (docs/your-experiment.md),
+each holding only its stages: RL with a verifiable reward on a given instruct model (built-in arithmetic,
 tiny Mistral) and the full RLHF chain (GPT-2, a base model) run; SFT then DPO on the user's pairs is planned, its
 stages being the Qwen2 run's; then an experiment started from an SFT model and a reward model the user already has.
 Each run goes through the real parts."""
@@ -123,6 +123,9 @@ def shipped_config(name: str, root: Path, **overrides) -> Path:
     user's files, fewer steps) merged in key by key."""
     config = yaml.safe_load((REPO_ROOT / "config" / f"{name}.yaml").read_text())
     config = deep_merge(config, {"results_dir": str(root / "results"), "experiment": root.name, **overrides})
+    for block in ("sft", "reward_model", "dpo", "rl", "evaluate"):  # in fp32 on any CPU, as config/tiny.yaml
+        if block in config:
+            config[block].setdefault("precision", "fp32")
     root.mkdir(parents=True, exist_ok=True)
     (root / "config.yaml").write_text(yaml.safe_dump(config))
     return root / "config.yaml"
