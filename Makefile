@@ -5,7 +5,7 @@ VENV := .venv
 ENV_STAMP := $(VENV)/.installed-$(shell cat envs/cpu.txt envs/cpu.lock.txt pyproject.toml | sha1sum | cut -c1-12)
 SNAKEMAKE := $(VENV)/bin/snakemake
 
-.PHONY: venv venv-gpu demo test test-fast bench-dpo bench-grpo clean-results
+.PHONY: venv venv-gpu demo test test-fast bench-dpo bench-grpo docs docs-check clean-results
 
 venv: $(ENV_STAMP)
 
@@ -63,6 +63,26 @@ bench-dpo: venv
 bench-grpo: venv
 	$(VENV)/bin/pip install --quiet -r bench/requirements.txt -c envs/cpu.lock.txt
 	$(VENV)/bin/python bench/grpo_throughput.py
+
+# The docs site (mkdocs.yml, docs/) into site/; --strict: a broken link or a page left out of the nav fails.
+# After changing the schema: .venv/bin/python docs/gen_config_reference.py (make test checks it is current).
+MKDOCS := NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs
+
+docs: venv
+	$(MKDOCS) build --strict --site-dir site
+
+# The site, then screenshots of the front page and the configuration reference (headless Chromium, Debian package
+# chromium), to look at: site/screenshots/.
+CHROMIUM ?= $(shell command -v chromium || command -v chromium-browser || command -v google-chrome)
+
+docs-check: docs
+	@test -n "$(CHROMIUM)" || { echo "no chromium: apt-get install -y --no-install-recommends chromium"; exit 1; }
+	mkdir -p site/screenshots
+	for page in index configuration; do \
+	  $(CHROMIUM) --headless --no-sandbox --disable-gpu --hide-scrollbars --window-size=1280,900 \
+	    --screenshot=$(CURDIR)/site/screenshots/$$page.png file://$(CURDIR)/site/$$page.html || exit 1; \
+	done
+	@echo "Screenshots: site/screenshots/index.png, site/screenshots/configuration.png"
 
 clean-results:
 	rm -rf results
