@@ -24,7 +24,10 @@ from launcher.config import stage_config  # noqa: E402  (needs REPO on sys.path)
 from runtime.job import JOB_ENV  # noqa: E402
 
 os.environ.update(JOB_ENV)  # what every stage's job and Ray worker runs with: offline hub, in-process vLLM, ...
-SIDES = ("alignpipe", "trl")
+SIDES = ("alignpipe", "trl", "trl-defaults")
+# trl-defaults: TRL as its configs default (bf16=True, gradient checkpointing), what a TRL user gets without asking;
+# run by default only on a CPU with native bf16 (elsewhere its bf16 is emulated, minutes per step).
+TRL_DEFAULTS = "trl-defaults"
 MIN_STEADY_STEPS = 8  # the defaults time at least this many steps after the warmup
 
 
@@ -54,6 +57,12 @@ class StepTimer:
 
     def step_seconds(self) -> list[float]:
         return [b - a for a, b in zip(self.times, self.times[1:])]
+
+
+def trl_defaults(own_defaults: bool, precision: str) -> dict:
+    """TRL's config keys that the benches set for equal work: fp32 or bf16 autocast as alignpipe's side, no gradient
+    checkpointing; none for the trl-defaults side, which keeps TRL's own (bf16, gradient checkpointing)."""
+    return {} if own_defaults else {"bf16": precision == "bf16", "fp16": False, "gradient_checkpointing": False}
 
 
 def trl_step_timer(times: list[float]):
@@ -108,8 +117,11 @@ def add_common_args(parser, name: str, steps: int, warmup: int, sides: tuple[str
                         f"(default {warmup}, at most --steps - 1)")
     parser.add_argument("--tiny", action="store_true", help="the schema's tiny random model instead of SmolLM2: "
                         "checks the bench's code path (tests/test_benches.py), measures nothing")
-    parser.add_argument("--sides", default=",".join(sides),
-                        help=f"comma-separated sides to run ({','.join(sides)}); without trl, no TRL is needed")
+    from runtime.models import cpu_bf16_flags
+    parser.add_argument("--sides", default=",".join(s for s in sides if s != TRL_DEFAULTS or cpu_bf16_flags()),
+                        help=f"comma-separated sides to run ({','.join(sides)}; {TRL_DEFAULTS}: TRL at its own "
+                        "defaults, bf16 and gradient checkpointing, by default only on a CPU with native bf16); "
+                        "without trl, no TRL is needed")
     parser.add_argument("--out", type=Path, help=f"results file (default bench/results/{name}.json; with --tiny "
                         f"results/bench/tiny/{name}.json, so a tiny run never overwrites a real run's results)")
     parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
@@ -196,8 +208,11 @@ def machine() -> dict:
     from runtime.models import cpu_bf16_flags
     cpuinfo = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     name = next((line.split(":", 1)[1].strip() for line in cpuinfo.splitlines() if line.startswith("model name")), "")
-    result = {"cpu": name, "cores": os.cpu_count(), "native_bf16": cpu_bf16_flags(),
-              "matmul_gflops": {dtype: matmul_gflops(dtype) for dtype in ("float32", "bfloat16")}}
+    native = cpu_bf16_flags()
+    # (bfloat16 without native instructions is emulated, ~1 GFLOP/s: a smaller product says so in a second)
+    result = {"cpu": name, "cores": os.cpu_count(), "native_bf16": native,
+              "matmul_gflops": {"float32": matmul_gflops("float32"),
+                                "bfloat16": matmul_gflops("bfloat16", size=2048 if native else 256)}}
     rates = result["matmul_gflops"]
     print(f"[bench] machine: {name or 'CPU'}, {result['cores']} cores, native bf16: "
           f"{', '.join(result['native_bf16']) or 'none'}; matmul {rates['float32']:.0f} GFLOP/s float32, "

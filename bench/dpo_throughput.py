@@ -27,7 +27,8 @@ log-probs.
 A step's time is the wall time between two steps' ends (alignpipe: its metrics arriving; TRL: on_step_end). The
 results (bench/results/dpo_throughput.json, `--out`) give each side's steady mean, median, min and max over the
 steps after `--warmup`, and pairs/s by the mean. alignpipe's stage settings not named here are the schema's
-defaults (launcher.config.stage_config).
+defaults (launcher.config.stage_config). `trl-defaults`: TRL as its DPOConfig defaults (bf16 autocast, gradient
+checkpointing), what a TRL user gets without asking; run by default only on a CPU with native bf16.
 """
 import argparse
 import os
@@ -36,8 +37,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from benchlib import (StepTimer, add_common_args, base_model, describe, emit, finish_args, machine, run_side,
-                      side_results, trl_step_timer, write_results)
+from benchlib import (TRL_DEFAULTS, StepTimer, add_common_args, base_model, describe, emit, finish_args, machine,
+                      run_side, side_results, trl_defaults, trl_step_timer, write_results)
 from launcher.config import stage_config  # noqa: E402  (benchlib puts the repository on sys.path)
 
 MAX_PROMPT_TOKENS, MAX_RESPONSE_TOKENS = 64, 48
@@ -103,7 +104,7 @@ def bench_alignpipe(model_dir: Path, pairs: list[dict], batch: int, steps: int, 
 
 
 def bench_trl(model_dir: Path, pairs: list[dict], batch: int, steps: int, zero_stage: int,
-              workers: int, precision: str = "fp32") -> list[float]:
+              workers: int, precision: str = "fp32", own_defaults: bool = False) -> list[float]:
     import torch
     from datasets import Dataset
     from trl import DPOConfig, DPOTrainer
@@ -127,9 +128,8 @@ def bench_trl(model_dir: Path, pairs: list[dict], batch: int, steps: int, zero_s
     args = DPOConfig(output_dir=tempfile.mkdtemp(prefix="trl-bench-"), per_device_train_batch_size=cfg.micro_batch_size,
                      gradient_accumulation_steps=batch // cfg.micro_batch_size, train_sampling_strategy="sequential",
                      max_steps=steps, learning_rate=cfg.learning_rate, beta=cfg.beta, loss_type=["sigmoid"],
-                     max_length=max_length, gradient_checkpointing=False, use_cpu=True, report_to=[],
-                     logging_steps=1, save_strategy="no", seed=cfg.seed, warmup_steps=0, dataloader_num_workers=0,
-                     bf16=precision == "bf16", fp16=False)
+                     max_length=max_length, use_cpu=True, report_to=[], logging_steps=1, save_strategy="no",
+                     seed=cfg.seed, warmup_steps=0, dataloader_num_workers=0, **trl_defaults(own_defaults, precision))
     trainer = SameTokensDPOTrainer(model=load_causal_lm(model_dir), ref_model=load_causal_lm(model_dir), args=args,
                                    train_dataset=Dataset.from_list(rows), processing_class=tokenizer,
                                    callbacks=[trl_step_timer(times)])
@@ -149,9 +149,13 @@ def main() -> None:
         parser.error("--batch must be even")
     if args.only:
         pairs = make_pairs(args.model, args.steps * args.batch)
-        bench = bench_alignpipe if args.only == "alignpipe" else bench_trl
-        emit("STEP_TIMES", bench(args.model, pairs, args.batch, args.steps, args.zero_stage, args.workers,
-                                 args.precision))
+        if args.only == "alignpipe":
+            times = bench_alignpipe(args.model, pairs, args.batch, args.steps, args.zero_stage, args.workers,
+                                    args.precision)
+        else:
+            times = bench_trl(args.model, pairs, args.batch, args.steps, args.zero_stage, args.workers, args.precision,
+                              own_defaults=args.only == TRL_DEFAULTS)
+        emit("STEP_TIMES", times)
         return
     base_model(args.model, args.tiny)
     results = {"machine": machine()}
@@ -169,10 +173,11 @@ def main() -> None:
                         "max_response_tokens": MAX_RESPONSE_TOKENS, "gradient_checkpointing": False,
                         "same_batches_and_tokens": True, "precision": args.precision}
     write_results(args.out, results)
-    if "alignpipe" in results and "trl" in results:
-        a, t = results["alignpipe"]["steady_step_seconds"], results["trl"]["steady_step_seconds"]
-        print(f"speed-up alignpipe vs trl: {t['mean'] / a['mean']:.2f}x by mean s/step, "
-              f"{t['median'] / a['median']:.2f}x by median", flush=True)
+    for other in ("trl", TRL_DEFAULTS):
+        if "alignpipe" in results and other in results:
+            a, t = results["alignpipe"]["steady_step_seconds"], results[other]["steady_step_seconds"]
+            print(f"speed-up alignpipe vs {other}: {t['mean'] / a['mean']:.2f}x by mean s/step, "
+                  f"{t['median'] / a['median']:.2f}x by median", flush=True)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,8 @@ weight sync's own statistics. alignpipe's stage settings not named here are the 
 Two more alignpipe sides do the same work with one setting of the rl stage changed: `alignpipe-async`
 (async_rollouts 1: step s+1's rollout generated in a thread while step s makes experience and trains, as the stage
 does; its `generate` phase is the time the step waits for it) and `alignpipe-packed` (packing: the policy's and the
-reference's forwards without padding).
+reference's forwards without padding). And `trl-defaults`: TRL as its GRPOConfig defaults (bf16 autocast, gradient
+checkpointing), what a TRL user gets without asking; run by default only on a CPU with native bf16.
 """
 import argparse
 import os
@@ -40,8 +41,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from benchlib import (REPO, StepTimer, add_common_args, base_model, describe, emit, finish_args, machine, run_side,
-                      side_results, steady_stats, tagged, trl_step_timer, write_results)
+from benchlib import (REPO, TRL_DEFAULTS, StepTimer, add_common_args, base_model, describe, emit, finish_args, machine,
+                      run_side, side_results, steady_stats, tagged, trl_defaults, trl_step_timer, write_results)
 from launcher.config import stage_config  # noqa: E402  (benchlib puts the repository on sys.path)
 
 PROMPTS, SAMPLES, NEW_TOKENS, MAX_PROMPT_TOKENS, MICRO_BATCH = 4, 4, 32, 64, 4
@@ -50,7 +51,7 @@ REWARD_FILE = REPO / "config" / "rewards" / "sentiment.py"
 PHASES = ("generate", "make_experience", "train", "weight_sync")
 # alignpipe's sides and the rl settings each changes from the first; then TRL's
 ALIGNPIPE_SIDES = {"alignpipe": {}, "alignpipe-async": {"async_rollouts": 1}, "alignpipe-packed": {"packing": True}}
-SIDES = (*ALIGNPIPE_SIDES, "trl")
+SIDES = (*ALIGNPIPE_SIDES, "trl", TRL_DEFAULTS)
 
 
 def prompts(model_dir: Path, count: int) -> list[dict]:
@@ -148,7 +149,7 @@ def bench_alignpipe(model_dir: Path, rows: list[dict], steps: int, zero_stage: i
 
 
 def bench_trl(model_dir: Path, rows: list[dict], steps: int, zero_stage: int, workers: int,
-              precision: str = "fp32") -> list[float]:
+              precision: str = "fp32", own_defaults: bool = False) -> list[float]:
     import importlib.util
     import torch
     from datasets import Dataset
@@ -171,9 +172,9 @@ def bench_trl(model_dir: Path, rows: list[dict], steps: int, zero_stage: int, wo
                       gradient_accumulation_steps=PROMPTS * SAMPLES // MICRO_BATCH, num_generations=SAMPLES,
                       max_completion_length=NEW_TOKENS, generation_kwargs={"min_new_tokens": NEW_TOKENS},
                       temperature=cfg.temperature, top_p=cfg.top_p, shuffle_dataset=False,
-                      gradient_checkpointing=False, max_steps=steps, learning_rate=cfg.learning_rate,
+                      max_steps=steps, learning_rate=cfg.learning_rate,
                       beta=cfg.kl_coef, use_cpu=True, report_to=[], logging_steps=1, save_strategy="no", seed=0,
-                      bf16=precision == "bf16", fp16=False, dataloader_num_workers=0)
+                      dataloader_num_workers=0, **trl_defaults(own_defaults, precision))
     trainer = GRPOTrainer(model=load_causal_lm(model_dir), reward_funcs=sentiment_reward, args=args,
                           train_dataset=Dataset.from_list([{"prompt": r["prompt"]} for r in rows]),
                           processing_class=load_tokenizer(model_dir), callbacks=[trl_step_timer(times)])
@@ -194,8 +195,9 @@ def main() -> None:
     finish_args(parser, args)
     if args.only:
         rows = prompts(args.model, args.steps * PROMPTS)
-        if args.only == "trl":
-            emit("STEP_TIMES", bench_trl(args.model, rows, args.steps, args.zero_stage, args.workers, args.precision))
+        if args.only.startswith("trl"):
+            emit("STEP_TIMES", bench_trl(args.model, rows, args.steps, args.zero_stage, args.workers, args.precision,
+                                         own_defaults=args.only == TRL_DEFAULTS))
         else:
             emit("STEP_TIMES", bench_alignpipe(args.model, rows, args.steps, args.zero_stage, args.workers, args.only,
                                                args.precision))
@@ -233,7 +235,8 @@ def main() -> None:
                         "gradient_checkpointing": False, "steps": args.steps, "warmup_steps_excluded": args.warmup,
                         "precision": args.precision}
     write_results(args.out, results)
-    for side, other in [(s, "alignpipe") for s in ALIGNPIPE_SIDES if s != "alignpipe"] + [("alignpipe", "trl")]:
+    for side, other in [(s, "alignpipe") for s in ALIGNPIPE_SIDES if s != "alignpipe"] + [("alignpipe", "trl"),
+                                                                                          ("alignpipe", TRL_DEFAULTS)]:
         if side in results and other in results:
             a, t = results[side]["steady_step_seconds"], results[other]["steady_step_seconds"]
             print(f"speed-up {side} vs {other}: {t['mean'] / a['mean']:.2f}x by mean s/step, "

@@ -76,6 +76,22 @@ def test_every_grpo_bench_side_is_a_valid_rl_config(monkeypatch):
                {k: v for k, v in vars(plain).items() if k not in changed}
 
 
+def test_trl_runs_at_equal_settings_or_at_its_own_defaults(monkeypatch):
+    """TRL's sides: `trl` with the keys that make its work alignpipe's (precision, no gradient checkpointing);
+    `trl-defaults` with none of them (TRL's bf16 and gradient checkpointing), a default side only on a CPU with native
+    bf16 (elsewhere its bf16 would be emulated)."""
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    import argparse
+    import benchlib
+    assert benchlib.trl_defaults(False, "bf16") == {"bf16": True, "fp16": False, "gradient_checkpointing": False}
+    assert benchlib.trl_defaults(False, "fp32")["bf16"] is False and benchlib.trl_defaults(True, "fp32") == {}
+    for native in ([], ["amx_bf16"]):
+        monkeypatch.setattr("runtime.models.cpu_bf16_flags", lambda: native)
+        parser = argparse.ArgumentParser()
+        benchlib.add_common_args(parser, "b", steps=9, warmup=1)
+        assert parser.parse_args([]).sides == "alignpipe,trl" + (",trl-defaults" if native else "")
+
+
 def test_deepspeed_step_bench_runs_a_tiny_step(tmp_path, tiny_model):
     """Two ZeRO-2 ranks training LoRA adapters: the bench's multi-rank, DeepSpeed and LoRA branches at once."""
     out = tmp_path / "result.json"
