@@ -223,10 +223,11 @@ def main() -> None:
             print(f"{side} weight sync: mean {sync['mean']:.3f} s/step (median {sync['median']:.3f}, "
                   f"min {sync['min']:.3f}, max {sync['max']:.3f})", flush=True)
             result["train_gflops"] = train_gflops(args.model, steady, tagged(lines, "TRAINED_TOKENS")[args.warmup:])
-            print(f"{side} training: {result['train_gflops']:.0f} GFLOP/s achieved, "
-                  f"{result['train_gflops'] / results['machine']['matmul_gflops']['bfloat16']:.0%} of the machine's "
-                  f"bf16 matmul peak ({result['train_gflops'] / results['machine']['matmul_gflops']['float32']:.0%} "
-                  "of its float32 one)", flush=True)
+            peaks = results["machine"]["matmul_gflops"]
+            bf16_peak = f"{result['train_gflops'] / peaks['bfloat16']:.0%} of the machine's bf16 matmul peak, " \
+                if results["machine"]["native_bf16"] else "(no native bf16) "
+            print(f"{side} training: {result['train_gflops']:.0f} GFLOP/s achieved, {bf16_peak}"
+                  f"{result['train_gflops'] / peaks['float32']:.0%} of its float32 one", flush=True)
     results["setup"] = {"model": "tiny (schema model.tiny)" if args.tiny else "SmolLM2-135M-Instruct",
                         "prompts_per_step": PROMPTS, "samples_per_prompt": SAMPLES, "micro_batch": MICRO_BATCH,
                         "sides": args.sides, "alignpipe_policy": f"{args.workers} rank(s), ZeRO-{args.zero_stage}",
