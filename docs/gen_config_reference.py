@@ -129,7 +129,8 @@ def table(path: str, node: dict, parent: dict | None) -> list[str]:
         lines += ["One entry per stage, each optional: " + ", ".join(f"`{name}`" for name in properties)
                   + "; a key given there overrides the key of the same name above for that stage.", ""]
         return lines + table(f"{path}.<stage>", child, node)[2:]
-    if parent is not None and properties and all(parent.get("properties", {}).get(k) == v for k, v in properties.items()):
+    inherited = parent is not None and all(parent.get("properties", {}).get(k) == v for k, v in properties.items())
+    if properties and inherited:
         keys = ", ".join(f"`{k}`" for k in parent["properties"] if k not in properties)
         lines += [f"Each entry takes the keys of `{path.rsplit('.', 2)[0]}` (above) but {keys}; "
                   "the entry's value overrides the block's for that run.", ""]

@@ -690,7 +690,8 @@ def benchmark_params(config: dict, name: str, model: str, seed: int) -> dict:
     engines, the model and the seed; nothing of another benchmark, so adding one reruns no other's jobs."""
     data, bench = config["data"], config["benchmarks"][name]
     return {"benchmark": bench, "name": name, "model": model, "seed": seed, "vllm": config["evaluate"]["vllm"],
-            "precision": config["evaluate"]["precision"], "chat": {"apply_chat_template": data["apply_chat_template"], "input_template": data["input_template"]},
+            "precision": config["evaluate"]["precision"],
+            "chat": {"apply_chat_template": data["apply_chat_template"], "input_template": data["input_template"]},
             "environment": config["environment"] if bench["environment"] else None}
 
 

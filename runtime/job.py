@@ -109,7 +109,7 @@ class StageJob(submitit.helpers.Checkpointable):
         seed = self.params.get("seed", 0)
         random.seed(seed)
         cfg = module.Config.from_params(self.params)
-        # What `precision: auto` became on this job's devices (bf16 or fp32): recorded, since numbers differ between them
+        # What `precision: auto` became on this job's devices (bf16 or fp32): recorded, numbers differ between them
         precision = resolved_precision(cfg.precision, self.resources.get("gpus_per_node", 0) > 0) \
             if hasattr(cfg, "precision") else None
         try:

@@ -34,7 +34,7 @@ class TrainerConfig:
     lora_rank: int
     lora_alpha: float
     lora_targets: list[str] | str | None  # names, "all-linear", or None: the architecture's default
-    precision: str  # auto, bf16 or fp32 (runtime/models.resolved_precision: auto is bf16 on GPUs and CPUs with native bf16)
+    precision: str  # auto, bf16 or fp32 (runtime/models.resolved_precision: auto is bf16 on GPUs and native-bf16 CPUs)
     gradient_checkpointing: bool
     attn_implementation: str
     offload_optimizer: bool
