@@ -109,10 +109,11 @@ class StageJob(submitit.helpers.Checkpointable):
         seed = self.params.get("seed", 0)
         random.seed(seed)
         cfg = module.Config.from_params(self.params)
-        # What `precision: auto` became on this job's devices (bf16 or fp32): recorded, numbers differ between them
-        precision = resolved_precision(cfg.precision, self.resources.get("gpus_per_node", 0) > 0) \
-            if hasattr(cfg, "precision") else None
         try:
+            # What `precision: auto` became on this job's devices (bf16 or fp32): recorded, numbers differ between
+            # them; inside the try, so that a refused bf16 leaves no .partial behind
+            precision = resolved_precision(cfg.precision, self.resources.get("gpus_per_node", 0) > 0) \
+                if hasattr(cfg, "precision") else None
             with tracking.stage_run(self.tracking_uri, self.experiment, self.run_name, self.params) as tracker:
                 tracker.checkpoint_dir = ckpt  # persistent across requeues; removed below once the stage succeeded
                 module.run(cfg, {k: _paths(v) for k, v in self.inputs.items()}, partial, tracker)

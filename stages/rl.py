@@ -316,7 +316,7 @@ def run(cfg: Config, inputs: dict, output: Path, tracker) -> None:
             counted = counts
             tracker.log_metrics(metrics, step=step)
             log.append({"step": step, "loss": metrics["policy_loss"], **metrics, "prompt_ids": [p["id"] for p in batch]})
-            progress.update(step, reward=metrics["reward_mean"], **{k: metrics[k] for k in ("kl",) if k in metrics},
+            progress.update(step, reward=metrics["reward_mean"], **({"kl": metrics["kl"]} if "kl" in metrics else {}),
                             clip=metrics["clip_fraction"])
             if cfg.eval_every and step % cfg.eval_every == 0 and step < cfg.steps:  # (the last step's: after the loop)
                 validate(step)
