@@ -386,7 +386,8 @@ def _rl_estimate(rl: dict, data: dict, sizes: dict, g: int, gpu_gb: float) -> Es
     seq, new = data["max_prompt_tokens"] + rl["max_new_tokens"], rl["max_new_tokens"]
     sharded = rl["zero_stage"] == 3 and F > 1  # runtime/rl_actors.FrozenScorer: ZeRO-3 inference across the ranks
     teacher = rl["teacher"] and named_model_size(rl["teacher"], "rl.teacher")
-    frozen_models = {"reference": m} | ({"reward model": rm} if reward_model else {}) | \
+    # (no reference without a KL penalty: runtime/rl_actors.Roles does not start it)
+    frozen_models = ({"reference": m} if rl["kl_coef"] else {}) | ({"reward model": rm} if reward_model else {}) | \
         ({"teacher": teacher} if teacher else {})
     frozen = {f"{name} (bf16{', sharded' if sharded else ''})": width * size.params / (F if sharded else 1) / GB
               for name, size in frozen_models.items()}
@@ -409,7 +410,7 @@ def _rl_estimate(rl: dict, data: dict, sizes: dict, g: int, gpu_gb: float) -> Es
     if rl["colocate"]:
         share = vllm_share(vllm, shares_gpu=True) * gpu_gb
         engine = vllm_items(m, vllm, share, max_model_len, "rl.vllm", notes)
-        roles = 3 + critic + len(frozen_models) - 1  # policy, reference, vLLM worker, critic, reward model, teacher
+        roles = 2 + critic + len(frozen_models)  # policy, vLLM worker, critic, reference, reward model, teacher
         # the roles compute one at a time (stages/rl.py, runtime/experience.py): one role's DeepSpeed buffers
         held = states | frozen | {"DeepSpeed buffers": buffers, "CUDA contexts": CUDA_CONTEXT_GB * roles}
         awake = {} if sleep else engine  # vllm.sleep: vLLM frees its weights and KV cache while the others work
@@ -439,9 +440,10 @@ def _rl_estimate(rl: dict, data: dict, sizes: dict, g: int, gpu_gb: float) -> Es
 
         names = dict(zip(frozen_models, frozen))  # reference, reward model, teacher -> the frozen entry's name
         gpu = {"policy GPU: training": policy | policy_step,
-               "policy GPU: log-probs": policy | logprobs_pass,
-               "reference GPU: log-probs": frozen_gpu(names["reference"], m, lm_head=True),
-               "vLLM GPU: generation": engine}
+               "policy GPU: log-probs": policy | logprobs_pass}
+        if "reference" in names:
+            gpu["reference GPU: log-probs"] = frozen_gpu(names["reference"], m, lm_head=True)
+        gpu["vLLM GPU: generation"] = engine
         if reward_model:
             gpu["reward model GPU: scores"] = frozen_gpu(names["reward model"], rm, lm_head=False)
         if teacher:
@@ -454,19 +456,19 @@ def _rl_estimate(rl: dict, data: dict, sizes: dict, g: int, gpu_gb: float) -> Es
         gpu["judge vLLM GPU: verdicts"] = vllm_items(judge_size(judge, sizes), judge["vllm"], vllm_share(judge["vllm"], False) * gpu_gb,
                                                      JUDGE_CONTEXT, "judge.vllm", notes)  # (its most)
         judge_gpus = judge["vllm"]["num_engines"] * judge["vllm"]["tensor_parallel_size"]
-    largest = max(frozen_models.values(), key=lambda size: size.params)
-    host = _rl_host(rl, m, largest, g, critic, len(frozen_models) - 1, engine_gpus + judge_gpus)
+    largest = max(frozen_models.values(), key=lambda size: size.params, default=None)
+    host = _rl_host(rl, m, largest, g, critic, len(frozen_models), engine_gpus + judge_gpus)
     return Estimate(gpu, host, notes)
 
 
-def _rl_host(rl: dict, m: ModelSize, largest_frozen: ModelSize, g: int, critic: bool, scorers: int,
+def _rl_host(rl: dict, m: ModelSize, largest_frozen: ModelSize | None, g: int, critic: bool, frozen_roles: int,
              engine_gpus: int) -> dict:
     """The rl job's fullest node. Colocated, GPU i holds rank i of every role, so the first node holds min(count,
     GPUs per node) ranks of each; on GPUs of their own, a node holds any gpus_per_node of the processes, counted here
     with as many trainer ranks as fit (they hold the most). The roles load one after another
     (runtime/rl_actors.Roles): one role's loading at a time."""
     W, F, width = rl["num_workers"], rl["frozen_ranks"], value_bytes(rl)
-    trainers, frozen_roles = 1 + critic, 1 + scorers  # scorers: a reward model and a teacher beside the reference
+    trainers = 1 + critic
     if rl["colocate"]:
         processes = trainers * min(W, g) + frozen_roles * min(F, g) + min(engine_gpus, g)
         trainer_ranks = trainers * min(W, g)
@@ -477,7 +479,7 @@ def _rl_host(rl: dict, m: ModelSize, largest_frozen: ModelSize, g: int, critic: 
     loads = {}  # what one role loads into CPU memory on the node before moving it to its GPUs
     if rl["zero_stage"] != 3:  # without zero.Init every rank materialises the whole model
         loads["a trainer's ranks loading the model on the CPU first"] = width * m.params * min(W, g) / GB
-    if rl["zero_stage"] != 3 or F == 1:  # not sharded: each frozen rank loads a whole copy
+    if largest_frozen and (rl["zero_stage"] != 3 or F == 1):  # not sharded: each frozen rank loads a whole copy
         loads["a frozen model's ranks loading it on the CPU first"] = \
             width * largest_frozen.params * min(F, g) / GB
     load = on_node | (dict([max(loads.items(), key=lambda item: item[1])]) if loads else {})

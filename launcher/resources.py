@@ -165,7 +165,10 @@ def gpus_needed(stage: str, block: dict) -> dict[str, int]:
     vllm = block.get("vllm") or {}
     engines = vllm.get("num_engines", 1) * vllm.get("tensor_parallel_size", 1)
     if stage == "rl":
-        roles = {"policy": block["num_workers"], "reference": block.get("frozen_ranks", 1), "vLLM": engines}
+        roles = {"policy": block["num_workers"]}
+        if block.get("kl_coef") != 0:  # no reference without a KL penalty (absent: the schema's default, a penalty)
+            roles["reference"] = block.get("frozen_ranks", 1)
+        roles["vLLM"] = engines
         if block.get("estimator") == "gae":
             roles["critic"] = block["num_workers"]
         if block.get("reward", "model") == "model":

@@ -187,6 +187,8 @@ class Roles:
         policy_dir = str(inputs["model"])
         wants_critic = cfg.estimator == "gae"
         wants_reward = cfg.reward == "model"
+        wants_reference = bool(cfg.kl_coef)  # its log-probs serve the KL penalty alone (runtime/experience.py)
+        frozen_roles = wants_reference + wants_reward + bool(cfg.teacher)
         if cfg.teacher and (problem := vocabulary_mismatch(policy_dir, inputs["teacher"])):
             raise ValueError(f"rl.teacher: {problem}")
         tp = cfg.vllm["tensor_parallel_size"]
@@ -198,15 +200,15 @@ class Roles:
         # Placement: CPU shares of the job's cores, or GPUs (one per rank, shared by every role when colocated).
         shared, gpu = None, 0
         if self.gpus:
-            roles = 3 + wants_critic + wants_reward + bool(cfg.teacher)  # policy, reference, engines, critic?, ...
-            width = max(cfg.num_workers, cfg.frozen_ranks, cfg.vllm["num_engines"] * tp)
+            roles = 2 + wants_critic + frozen_roles  # policy, engines, critic?, reference?, reward model?, teacher?
+            width = max(cfg.num_workers, cfg.frozen_ranks if frozen_roles else 0, cfg.vllm["num_engines"] * tp)
             if cfg.colocate:
                 shared = reserve(bundles(width, 1, 1), "PACK", f"{width} GPUs shared by the rl stage's roles")
                 gpu = 1 / roles
             else:
                 gpu = 1
         # Colocated on CPU, every actor takes an equal share of the job's cores (at most ROLE_CPUS) so that all fit.
-        actors = cfg.num_workers * (1 + wants_critic) + cfg.frozen_ranks * (1 + wants_reward + bool(cfg.teacher)) + \
+        actors = cfg.num_workers * (1 + wants_critic) + cfg.frozen_ranks * frozen_roles + \
             cfg.vllm["num_engines"] + (cfg.judge["vllm"]["num_engines"] if cfg.reward == "judge" else 0)
         cpu_share = min(ROLE_CPUS, int(100 * ray.cluster_resources().get("CPU", 1) / actors) / 100)
         cpus = 1 if not cfg.colocate else 0 if shared else cpu_share
@@ -235,7 +237,7 @@ class Roles:
             if wants_critic else None
         self.trainers = {"policy": self.policy} | ({"critic": self.critic} if self.critic else {})
         frozen = lambda model_dir, kind: self._frozen(cfg, model_dir, kind, role_threads, cpus, gpu, shared, tracker)
-        self.reference = frozen(policy_dir, "policy")
+        self.reference = frozen(policy_dir, "policy") if wants_reference else None
         self.reward_model = frozen(str(inputs["reward_model"]), "reward") if wants_reward else None
         self.teacher = frozen(str(inputs["teacher"]), "policy") if cfg.teacher else None
         # A reward function: a reward file's, a reward service, or the judge (None: the reward model, or no reward:

@@ -33,12 +33,15 @@ def test_grpo_trains_on_episodes_and_evaluates_them_on_held_out_problems(agent_r
                                                  for stage in ("evaluate", "benchmark/calc")}
     client = agent_run["mlflow"]
     for variant in ("grpo", "ppo"):
-        inputs = json.loads((results / "rl" / variant / "seed1234" / "stage.json").read_text())["inputs"]
+        record = json.loads((results / "rl" / variant / "seed1234" / "stage.json").read_text())
+        inputs = record["inputs"]
+        # kl_coef 0 and the environment's rewards: no frozen model (reference, reward model) started
+        assert "FrozenScorer" not in {actor["group"] for actor in record["job"]["actors"]}, record["job"]["actors"]
         assert inputs["environment_file"].endswith("config/environments/calculator.py") and "reward_file" in inputs
         log = data_rows(results / "rl" / variant / "seed1234" / "train_log.jsonl")
         assert len(log) == 4 and all(0 <= s["episode_truncated"] <= 1 and s["episode_errors"] == 0 for s in log)
         assert any(s["reward_std"] > 0 and s["policy_loss"] != 0 for s in log)  # rewards differ: it trains
-        assert not any("kl" in s for s in log)  # kl_coef 0: the reference's log-probs are not computed
+        assert not any("kl" in s for s in log)  # kl_coef 0: no reference log-probs
         [run] = client.search_runs([client.get_experiment_by_name("agent-calculator").experiment_id],
                                    f"attributes.run_name = 'rl/{variant}/seed1234'")
         # a random model seldom writes a number: the calculator asks again, so episodes take more than one turn

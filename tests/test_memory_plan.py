@@ -286,7 +286,8 @@ def test_benchmark_jobs_are_in_the_plan_and_a_scorer_on_too_few_gpus_is_refused(
 def test_a_teacher_and_a_judge_are_counted_on_the_gpus_they_take(tmp_path):
     """A teacher (rl.teacher) is a frozen model beside the reference: frozen_ranks GPUs of the job and a phase of its
     own in the plan, its bf16 weights and a log-probs pass. A judge's vLLM engines (rl.reward: judge) take GPUs of
-    their own besides the others' and a phase in the plan; a job without room for them is refused naming the judge."""
+    their own besides the others' and a phase in the plan; a job without room for them is refused naming the judge.
+    Without a KL penalty (kl_coef 0) no reference is started: neither its GPUs nor its phase are counted."""
     models = {}
     for name in ("teacher", "judge"):
         models[name] = tmp_path / name
@@ -294,7 +295,8 @@ def test_a_teacher_and_a_judge_are_counted_on_the_gpus_they_take(tmp_path):
         (models[name] / "config.json").write_text(json.dumps(HUB_CONFIGS[QWEN_7B]))
         (models[name] / "model.safetensors").write_bytes(len(b"{}").to_bytes(8, "little") + b"{}")  # no tensors
     variants = {"distil": {"estimator": "reinforce", "reward": None, "teacher": str(models["teacher"])},
-                "judged": {"estimator": "group_norm", "reward": "judge"}}
+                "judged": {"estimator": "group_norm", "reward": "judge"},
+                "no_kl": {"estimator": "reinforce", "reward": None, "teacher": str(models["teacher"]), "kl_coef": 0}}
     layout = {"nodes": 1, "gpus_per_node": 8, "cpus_per_node": 64, "mem_gb": 512}
 
     def config(gpus_per_node: int) -> dict:
@@ -313,14 +315,22 @@ def test_a_teacher_and_a_judge_are_counted_on_the_gpus_they_take(tmp_path):
     params = {run: p["rl"] for stage, run, p in stage_jobs(fits) if stage == "rl"}
     assert gpus_needed("rl", params["rl/distil/seed1234"]) == {"policy": 2, "reference": 2, "teacher": 2, "vLLM": 2}
     assert gpus_needed("rl", params["rl/judged/seed1234"]) == {"policy": 2, "reference": 2, "vLLM": 2, JUDGE_ROLE: 2}
+    assert gpus_needed("rl", params["rl/no_kl/seed1234"]) == {"policy": 2, "teacher": 2, "vLLM": 2}
     jobs = {job.run_name: job for job in memory_plan(fits, sizes=hub_sizes(fits)) if job.stage == "rl"}
     assert all(job.fits for job in jobs.values()), [(j.run_name, j.gpu_phase, j.gpu_peak) for j in jobs.values()]
     resources, _ = stage_resources("rl", fits["launcher"])
-    (_, _, distil), (_, _, judged) = [job for job in stage_jobs(fits) if job[0] == "rl"]
+    distil, judged, no_kl = (p for run in ("distil", "judged", "no_kl")
+                             for stage, name, p in stage_jobs(fits) if name == f"rl/{run}/seed1234")
     teacher_gpu = estimate("rl", distil, fits, hub_sizes(fits), resources, 80).gpu["teacher GPU: log-probs"]
     assert teacher_gpu["teacher (bf16, sharded)"] == pytest.approx(
         2 * PUBLISHED_PARAMS[QWEN_7B] / 2 / 1e9, rel=2e-3)  # bf16 over 2 ZeRO-3 ranks
     assert "judge vLLM GPU: verdicts" in estimate("rl", judged, fits, hub_sizes(fits), resources, 80).gpu
+    assert "reference GPU: log-probs" in estimate("rl", distil, fits, hub_sizes(fits), resources, 80).gpu
+    assert "reference GPU: log-probs" not in estimate("rl", no_kl, fits, hub_sizes(fits), resources, 80).gpu
+    # colocated, no frozen model at all: every role's GPU holds the policy's states and vLLM, no frozen weights
+    alone = no_kl | {"rl": no_kl["rl"] | {"teacher": None, "colocate": True}}
+    shared = estimate("rl", alone, fits, hub_sizes(fits), resources, 80).gpu["every role's GPU: training"]
+    assert not any(item.startswith(("reference", "teacher")) for item in shared), shared
     too_few = config(7)  # the judged variant's 2 + 2 + 2 and the judge's 2 need 8; the distilled one's 8 too
     problems = check_stages(stage_jobs(too_few), too_few["launcher"])
     assert any("stage rl/judged:" in problem and "stage rl needs 8 GPUs (policy 2, reference 2, vLLM 2, judge vLLM 2; "
