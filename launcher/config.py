@@ -4,6 +4,7 @@ and the params each of its jobs gets (stage_jobs).
 Imported by the Snakefile, so it must stay light (no torch, no ray).
 """
 import copy
+import functools
 import json
 import math
 import os
@@ -30,8 +31,11 @@ class ConfigError(ValueError):
     """A config that the schema rejects; the message names the file, the key and what is valid."""
 
 
+@functools.cache
 def load_schema() -> dict:
-    return yaml.safe_load(SCHEMA_PATH.read_text())
+    """The schema, read once per process (with libyaml where PyYAML has it: the pure-Python parser took a tenth of a
+    dry run). Callers only read it."""
+    return yaml.load(SCHEMA_PATH.read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
 
 
 # Draft 2020-12 counts 2.0 as an integer; a config's integer keys (batch sizes, counts, seeds) take whole numbers
