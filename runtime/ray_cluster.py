@@ -15,8 +15,9 @@ Locked down (issue #17):
 - Addresses: a node advertises and binds what it can to its own address; a one-node local job keeps Ray on
   127.0.0.1 (`RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`: without it Ray swaps 127.0.0.1 for the host's network address).
   On a multi-node job Ray 2.60's own gRPC servers (GCS, raylet, core workers) listen on all interfaces whatever the
-  node address is (not configurable): the token is what guards them. The head's autoscaler metrics page (plain
-  HTTP, read-only, no token) listens on all interfaces too. What a stage's processes open themselves listens on the
+  node address is (not configurable): the token is what guards them. The head runs no autoscaler (`--no-monitor`: a
+  job's nodes are fixed), whose metrics page (plain HTTP, no token) listened on all interfaces, and whose process
+  cost each job's start a CPU-second. What a stage's processes open themselves listens on the
   node's address (issue #25): gloo's sockets (DeepSpeed's ranks, vLLM's groups) on the node's interface
   (`GLOO_SOCKET_IFNAME`, which every Ray process of the node inherits from `ray start`; without it gloo binds
   whatever the host name resolves to), the DeepSpeed ranks' store on the node's address
@@ -49,7 +50,6 @@ from runtime.progress import on_stall, process_stacks
 # it and log "Failed to establish connection to the metrics exporter agent" at level E.
 PORTS = {"port": 0, "node-manager-port": 1, "object-manager-port": 2, "ray-client-server-port": 3,
          "dashboard-agent-listen-port": 4, "runtime-env-agent-port": 6}
-AUTOSCALER_METRICS_PORT = 7  # the head's autoscaler serves metrics on 44217 unless told: on every job's head alike
 WORKER_PORTS = (10, 99)
 PORT_BLOCKS = 400         # blocks of 100 ports from 20000
 JOIN_TIMEOUT_S = 300      # how long the head waits for every node, and a worker for the head
@@ -204,7 +204,7 @@ def ray_start_command(head_address: str | None, ip: str, port: int, res: dict, t
     cmd += [f"--{name}={port + offset}" for name, offset in PORTS.items() if name != "port" and
             not (head_address and name == "ray-client-server-port")]
     if head_address is None:
-        cmd += ["--head", f"--port={port}", "--include-dashboard=false", "--dashboard-host=127.0.0.1"]
+        cmd += ["--head", f"--port={port}", "--include-dashboard=false", "--dashboard-host=127.0.0.1", "--no-monitor"]
     else:
         cmd += [f"--address={head_address}"]
     return cmd
@@ -290,12 +290,10 @@ def interface_of(ip: str) -> str:
     raise RuntimeError(f"no network interface of {socket.gethostname()} holds its node address {ip}")
 
 
-def ray_env(token: str, loopback: bool, port: int, interface: str) -> dict:
-    """What `ray start` and the driver need in their environment: token auth with this job's token, the job's own
-    port for the autoscaler's metrics, gloo on the node's `interface` and, for a one-node local job, Ray kept on
-    127.0.0.1."""
-    env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token,
-           "AUTOSCALER_METRIC_PORT": str(port + AUTOSCALER_METRICS_PORT), "GLOO_SOCKET_IFNAME": interface}
+def ray_env(token: str, loopback: bool, interface: str) -> dict:
+    """What `ray start` and the driver need in their environment: token auth with this job's token, gloo on the
+    node's `interface` and, for a one-node local job, Ray kept on 127.0.0.1."""
+    env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token, "GLOO_SOCKET_IFNAME": interface}
     if loopback:
         env[LOOPBACK_ENV] = "0"
     return env
@@ -371,7 +369,7 @@ def _job_node(job_env, res: dict, rank: int, num_nodes: int, restart: int, port:
     token_dir = None
     try:
         token, token_dir = job_token(job_env, rank, num_nodes, restart)
-        env = ray_env(token, loopback=_is_loopback(my_ip) and num_nodes == 1, port=port, interface=interface_of(my_ip))
+        env = ray_env(token, loopback=_is_loopback(my_ip) and num_nodes == 1, interface=interface_of(my_ip))
         shared = shared_folder(job_env, restart) if num_nodes > 1 else None
         with _driver_env(env) if rank == 0 else contextlib.nullcontext():
             kept = Path(job_env.paths.folder) / KEPT_LOGS.format(job_id=job_env.job_id, restart=restart, rank=rank)

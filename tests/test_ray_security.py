@@ -238,9 +238,10 @@ def test_token_on_no_command_line_and_in_no_log(job):
 @pytest.mark.e2e
 def test_ray_stays_on_loopback_in_a_private_dir(job):
     """Every socket a Ray process of a one-node local job listens on is bound to 127.0.0.1, Ray's own on a port of
-    the job's own range (no fixed port such as the autoscaler's default 44217 that jobs on one host would share);
-    Ray's own temp dir (world-writable, with the raylet's sockets) sits in a directory that only this user can
-    enter."""
+    the job's own range (no fixed port that jobs on one host would share; no autoscaler, whose metrics page took
+    44217); Ray's own temp dir (world-writable, with the raylet's sockets) sits in a directory that only this user
+    can enter."""
+    assert not [cmd for cmd in job.ray_processes().values() if "autoscaler" in cmd], "the head runs no autoscaler"
     found = listening(set(job.ray_processes()) | {job.proc.pid})
     assert found, "no listening socket found for the job's Ray processes"
     assert all(is_loopback(address) for address, _, _ in found), \
