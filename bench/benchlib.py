@@ -220,6 +220,23 @@ def machine() -> dict:
     return result
 
 
+def training_gflops(model_dir: Path, positions: int, seconds: float) -> float:
+    """A training phase's achieved rate: 6 FLOPs per parameter per trained position (a forward and its backward,
+    Kaplan et al. 2020), on the positions the rows hold, not their padding."""
+    from launcher.memory import ModelSize
+    params = ModelSize.from_config(json.loads((model_dir / "config.json").read_text()), str(model_dir)).params
+    return 6 * params * positions / seconds / 1e9
+
+
+def print_training_rate(side: str, gflops: float, machine: dict) -> None:
+    """The achieved rate against the machine's matmul peaks (`machine()`; bf16's where the CPU has it natively)."""
+    peaks = machine["matmul_gflops"]
+    bf16_peak = f"{gflops / peaks['bfloat16']:.0%} of the machine's bf16 matmul peak, " if machine["native_bf16"] \
+        else "(no native bf16) "
+    print(f"{side} training: {gflops:.0f} GFLOP/s achieved, {bf16_peak}{gflops / peaks['float32']:.0%} of its "
+          "float32 one", flush=True)
+
+
 def emit(tag: str, value) -> None:
     """Print `value` as a JSON line tagged `tag`, for the parent process (`tagged`)."""
     print(f"{tag} {json.dumps(value)}", flush=True)

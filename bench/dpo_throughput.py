@@ -26,7 +26,8 @@ layer over the response positions only; TRL: one process, transformers' Trainer 
 log-probs.
 A step's time is the wall time between two steps' ends (alignpipe: its metrics arriving; TRL: on_step_end). The
 results (bench/results/dpo_throughput.json, `--out`) give each side's steady mean, median, min and max over the
-steps after `--warmup`, and pairs/s by the mean. alignpipe's stage settings not named here are the schema's
+steps after `--warmup`, pairs/s by the mean, and alignpipe's achieved training rate (`train_gflops`: 6 FLOPs per
+parameter per position of its pairs over its steady steps, against the machine's matmul peaks). alignpipe's stage settings not named here are the schema's
 defaults (launcher.config.stage_config). `trl-defaults`: TRL as its DPOConfig defaults (bf16 autocast, gradient
 checkpointing), what a TRL user gets without asking; run by default only on a CPU with native bf16.
 """
@@ -38,7 +39,8 @@ import tempfile
 from pathlib import Path
 
 from benchlib import (TRL_DEFAULTS, StepTimer, add_common_args, base_model, describe, emit, finish_args, machine,
-                      run_side, side_results, trl_defaults, trl_step_timer, write_results)
+                      print_training_rate, run_side, side_results, tagged, training_gflops, trl_defaults,
+                      trl_step_timer, write_results)
 from launcher.config import stage_config  # noqa: E402  (benchlib puts the repository on sys.path)
 
 MAX_PROMPT_TOKENS, MAX_RESPONSE_TOKENS = 64, 48
@@ -86,6 +88,7 @@ def bench_alignpipe(model_dir: Path, pairs: list[dict], batch: int, steps: int, 
     import ray
     from stages import dpo
     from runtime import trainer
+    from runtime.models import load_tokenizer
     ray.init(num_cpus=os.cpu_count(), include_dashboard=False, logging_level="WARNING",
              _temp_dir=tempfile.mkdtemp(prefix="ray-bench-", dir="/tmp"))
     cfg = dpo_config(batch, zero_stage, workers, precision)
@@ -102,6 +105,11 @@ def bench_alignpipe(model_dir: Path, pairs: list[dict], batch: int, steps: int, 
     if [entry["rows"] for entry in log] != [[p["id"] for p in b] for b in step_batches(pairs, batch, steps, cfg.seed)]:
         sys.exit("trainer.fit no longer takes the pairs in the order step_batches replays: update step_batches, "
                  "or TRL's side trains on other batches")
+    # each step's positions: every pair's prompt+chosen and prompt+rejected (runtime.logprobs.pair_batch)
+    tokenizer = load_tokenizer(model_dir)
+    tokens = lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"])
+    emit("TRAINED_TOKENS", [sum(2 * tokens(p["prompt"]) + tokens(p["chosen"]) + tokens(p["rejected"]) for p in b)
+                            for b in step_batches(pairs, batch, steps, cfg.seed)])
     return timer.step_seconds()
 
 
@@ -162,12 +170,16 @@ def main() -> None:
     base_model(args.model, args.tiny)
     results = {"machine": machine()}
     for side in args.sides:
-        times, _ = run_side(__file__, side, ["--model", str(args.model), "--steps", str(args.steps), "--warmup",
+        times, lines = run_side(__file__, side, ["--model", str(args.model), "--steps", str(args.steps), "--warmup",
                                              str(args.warmup), "--batch", str(args.batch), "--zero-stage",
                                              str(args.zero_stage), "--workers", str(args.workers), "--precision",
                                              args.precision] + ["--tiny"] * args.tiny, args.steps)
         results[side] = side_results(times, args.warmup, "pairs_per_second", args.batch)
         print(describe(side, results[side], "pairs_per_second", "pairs"), flush=True)
+        if tokens := tagged(lines, "TRAINED_TOKENS"):  # alignpipe's: the whole step trains
+            results[side]["train_gflops"] = training_gflops(args.model, sum(tokens[0][args.warmup:]),
+                                                            sum(times[args.warmup:]))
+            print_training_rate(side, results[side]["train_gflops"], results["machine"])
     results["setup"] = {"model": "tiny (schema model.tiny)" if args.tiny else "SmolLM2-135M-Instruct",
                         "batch": args.batch, "micro_batch": args.batch // 2, "steps": args.steps, "sides": args.sides,
                         "alignpipe_trainer": f"{args.workers} rank(s), ZeRO-{args.zero_stage}",

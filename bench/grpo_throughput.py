@@ -42,7 +42,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from benchlib import (REPO, TRL_DEFAULTS, StepTimer, add_common_args, base_model, describe, emit, finish_args, machine,
-                      run_side, side_results, steady_stats, tagged, trl_defaults, trl_step_timer, write_results)
+                      print_training_rate, run_side, side_results, steady_stats, tagged, training_gflops, trl_defaults,
+                      trl_step_timer, write_results)
 from launcher.config import stage_config  # noqa: E402  (benchlib puts the repository on sys.path)
 
 PROMPTS, SAMPLES, NEW_TOKENS, MAX_PROMPT_TOKENS, MICRO_BATCH = 4, 4, 32, 64, 4
@@ -89,16 +90,6 @@ def check_lengths(side: str, lengths: list[int]) -> None:
     emit("RESPONSE_TOKENS", {"min": min(lengths), "max": max(lengths), "responses": len(lengths)})
     if min(lengths) != NEW_TOKENS or max(lengths) != NEW_TOKENS:
         sys.exit(f"{side}: responses of {min(lengths)}-{max(lengths)} tokens, not all exactly {NEW_TOKENS}")
-
-
-def train_gflops(model_dir: Path, phases: list[dict], trained_tokens: list[int]) -> float:
-    """The training phase's achieved rate over steps (their `phases` and `trained_tokens`): 6 FLOPs per parameter
-    per trained position (a forward and its backward, Kaplan et al. 2020), on the positions the rows hold, not their
-    padding."""
-    import json
-    from launcher.memory import ModelSize
-    params = ModelSize.from_config(json.loads((model_dir / "config.json").read_text()), str(model_dir)).params
-    return 6 * params * sum(trained_tokens) / sum(p["train"] for p in phases) / 1e9
 
 
 def bench_alignpipe(model_dir: Path, rows: list[dict], steps: int, zero_stage: int, workers: int,
@@ -222,12 +213,9 @@ def main() -> None:
                                                                     result["phase_seconds"].items()), flush=True)
             print(f"{side} weight sync: mean {sync['mean']:.3f} s/step (median {sync['median']:.3f}, "
                   f"min {sync['min']:.3f}, max {sync['max']:.3f})", flush=True)
-            result["train_gflops"] = train_gflops(args.model, steady, tagged(lines, "TRAINED_TOKENS")[args.warmup:])
-            peaks = results["machine"]["matmul_gflops"]
-            bf16_peak = f"{result['train_gflops'] / peaks['bfloat16']:.0%} of the machine's bf16 matmul peak, " \
-                if results["machine"]["native_bf16"] else "(no native bf16) "
-            print(f"{side} training: {result['train_gflops']:.0f} GFLOP/s achieved, {bf16_peak}"
-                  f"{result['train_gflops'] / peaks['float32']:.0%} of its float32 one", flush=True)
+            result["train_gflops"] = training_gflops(args.model, sum(tagged(lines, "TRAINED_TOKENS")[args.warmup:]),
+                                                     sum(p["train"] for p in steady))
+            print_training_rate(side, result["train_gflops"], results["machine"])
     results["setup"] = {"model": "tiny (schema model.tiny)" if args.tiny else "SmolLM2-135M-Instruct",
                         "prompts_per_step": PROMPTS, "samples_per_prompt": SAMPLES, "micro_batch": MICRO_BATCH,
                         "sides": args.sides, "alignpipe_policy": f"{args.workers} rank(s), ZeRO-{args.zero_stage}",
