@@ -27,9 +27,10 @@ log-probs.
 A step's time is the wall time between two steps' ends (alignpipe: its metrics arriving; TRL: on_step_end). The
 results (bench/results/dpo_throughput.json, `--out`) give each side's steady mean, median, min and max over the
 steps after `--warmup`, pairs/s by the mean, and alignpipe's achieved training rate (`train_gflops`: 6 FLOPs per
-parameter per position of its pairs over its steady steps, against the machine's matmul peaks). alignpipe's stage settings not named here are the schema's
-defaults (launcher.config.stage_config). `trl-defaults`: TRL as its DPOConfig defaults (bf16 autocast, gradient
-checkpointing), what a TRL user gets without asking; run by default only on a CPU with native bf16.
+parameter per position of its pairs over its steady steps, against the machine's matmul peaks). alignpipe's stage
+settings not named here are the schema's defaults (launcher.config.stage_config). `trl-defaults`: TRL as its
+DPOConfig defaults (bf16 autocast, gradient checkpointing), what a TRL user gets without asking; run by default only
+on a CPU with native bf16.
 """
 import argparse
 import os
@@ -171,9 +172,9 @@ def main() -> None:
     results = {"machine": machine()}
     for side in args.sides:
         times, lines = run_side(__file__, side, ["--model", str(args.model), "--steps", str(args.steps), "--warmup",
-                                             str(args.warmup), "--batch", str(args.batch), "--zero-stage",
-                                             str(args.zero_stage), "--workers", str(args.workers), "--precision",
-                                             args.precision] + ["--tiny"] * args.tiny, args.steps)
+                                                 str(args.warmup), "--batch", str(args.batch), "--zero-stage",
+                                                 str(args.zero_stage), "--workers", str(args.workers), "--precision",
+                                                 args.precision] + ["--tiny"] * args.tiny, args.steps)
         results[side] = side_results(times, args.warmup, "pairs_per_second", args.batch)
         print(describe(side, results[side], "pairs_per_second", "pairs"), flush=True)
         if tokens := tagged(lines, "TRAINED_TOKENS"):  # alignpipe's: the whole step trains
