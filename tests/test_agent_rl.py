@@ -10,7 +10,7 @@ import time
 import pytest
 
 from pipeline_helpers import signal_job_tasks, submit_again
-from test_rl_resume import RL_TOLERANCE, read_log
+from test_rl_resume import RL_TOLERANCE, read_log, resumed_steps
 from test_user_experiment import data_rows, made_stages, planned_jobs
 
 pytestmark = pytest.mark.e2e
@@ -88,8 +88,7 @@ def test_an_interrupted_agent_run_resumes_equal_to_a_straight_run(agent_run, tmp
     assert signal_job_tasks(job, signal.SIGUSR2) == 1
     job.result()
     assert "interrupted (timeout or preemption); requeueing" in job.stdout()
-    resumed = [int(line.rsplit(" ", 1)[1]) for line in job.stdout().splitlines()
-               if line.startswith("[rl] resumed from checkpoint at step")]
+    resumed = resumed_steps(job.stdout())
     assert resumed and 1 <= resumed[0] < 4, job.stdout()[-3000:]
     log, reference = read_log(output), read_log(first)
     assert [s["step"] for s in log] == [s["step"] for s in reference] == [1, 2, 3, 4]

@@ -27,6 +27,12 @@ def read_log(output):
     return data.read_jsonl(output / "train_log.jsonl")
 
 
+def resumed_steps(job_log: str) -> list[int]:
+    """The steps a job's rl stage resumed from (its `[rl] resumed from checkpoint at step N` lines)."""
+    return [int(line.rsplit(" ", 1)[1]) for line in job_log.splitlines()
+            if line.startswith("[rl] resumed from checkpoint at step")]
+
+
 def assert_same_run(log, reference):
     assert [s["step"] for s in log] == [s["step"] for s in reference] == list(range(1, STEPS + 1))
     assert [s["prompt_ids"] for s in log] == [s["prompt_ids"] for s in reference]
@@ -55,8 +61,7 @@ def test_interrupted_rl_run_resumes_and_matches_a_straight_run(tiny_run, tmp_pat
     assert "interrupted (timeout or preemption); requeueing" in log_text
     # the job's 2 cores split: the engine generates while the trainers train
     assert "[rl] asynchronous rollouts on 2 CPU threads: the vLLM engines take 1, the trainers and scorers 1" in log_text
-    resumed = [int(line.rsplit(" ", 1)[1]) for line in log_text.splitlines()
-               if line.startswith("[rl] resumed from checkpoint at step")]
+    resumed = resumed_steps(log_text)
     assert resumed and resumed[0] >= EVERY and resumed[0] % EVERY == 0, log_text[-3000:]
     assert_same_run(read_log(output), read_log(straight_out))
     log = read_log(output)
