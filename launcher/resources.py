@@ -17,7 +17,7 @@ import shutil
 import subprocess
 import unicodedata
 
-from runtime.models import NATIVE_BF16_FLAGS, cpu_bf16_flags
+from runtime.models import EMULATED_BF16, NATIVE_BF16_FLAGS, cpu_runs_bf16
 
 # Where a stage's job runs and how big it is. The same names work in the config (`launcher.<key>`,
 # `launcher.stages.<stage>.<key>`) and as Snakemake resources in a profile (`default-resources`,
@@ -216,10 +216,11 @@ def check_fits(stage: str, params: dict, resources: dict, sources: dict) -> None
                                         f"none ({sources['gpus_per_node']} = 0); set gpus_per_node or change {key}")
         # bf16 on CPUs needs their bf16 instructions: known here for this machine's jobs; on Slurm's CPU nodes the
         # stage checks as it starts (runtime/models.model_dtype)
-        if block.get("precision") == "bf16" and resources["cluster"] == "local" and not cpu_bf16_flags():
+        if block.get("precision") == "bf16" and resources["cluster"] == "local" and not cpu_runs_bf16():
             raise LaunchConfigError(f"{stage}.precision = 'bf16' on this machine's CPU, which has no native bf16 "
                                     f"instructions ({' or '.join(NATIVE_BF16_FLAGS)} in /proc/cpuinfo): it would be "
-                                    "emulated, slower than fp32; use precision auto or fp32, or GPUs")
+                                    "emulated, slower than fp32; use precision auto or fp32, or GPUs (or, for a "
+                                    f"tiny model, {EMULATED_BF16}=1 in the environment: bf16 emulated)")
         return
     check_attention(stage, block)
     if stage == "rl" and block.get("colocate") and block.get("async_rollouts"):

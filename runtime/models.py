@@ -10,6 +10,7 @@ Light at import (no torch): launcher/config.py reads the tables below.
 import fnmatch
 import importlib.util
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -127,6 +128,9 @@ def model_positions(model_dir) -> int | None:
 
 
 NATIVE_BF16_FLAGS = ("amx_bf16", "avx512_bf16")  # /proc/cpuinfo flags of CPUs with bf16 matrix instructions
+# "1" in the environment: `precision: bf16` runs on a CPU without them, emulated (the tests' tiny models run the bf16
+# paths on any CPU; a real model's matrix products would be ~100x slower than in fp32). `auto` still means fp32 there.
+EMULATED_BF16 = "ALIGNPIPE_EMULATED_BF16"
 
 
 def cpu_bf16_flags() -> list[str]:
@@ -140,16 +144,23 @@ def cpu_bf16_flags() -> list[str]:
     return [flag for flag in NATIVE_BF16_FLAGS if flag in flags]
 
 
+def cpu_runs_bf16() -> bool:
+    """Whether `precision: bf16` may run on this CPU: natively (cpu_bf16_flags), or emulated where EMULATED_BF16 is
+    set to 1."""
+    return bool(cpu_bf16_flags()) or os.environ.get(EMULATED_BF16) == "1"
+
+
 def resolved_precision(precision: str, gpus: bool) -> str:
     """What `precision` means where the models run: auto is bf16 on GPUs and on a CPU with native bf16 instructions
     (cpu_bf16_flags: AMX or AVX-512 BF16, several times fp32's matmul rate), fp32 on any other CPU. bf16 on a CPU
-    without them is refused: it would be emulated, far slower than fp32."""
+    without them is refused (cpu_runs_bf16): it would be emulated, far slower than fp32."""
     if precision == "auto":
         return "bf16" if gpus or cpu_bf16_flags() else "fp32"
-    if precision == "bf16" and not gpus and not cpu_bf16_flags():
+    if precision == "bf16" and not gpus and not cpu_runs_bf16():
         raise ValueError(f"precision bf16 on a CPU needs its native bf16 instructions (/proc/cpuinfo flags "
                          f"{' or '.join(NATIVE_BF16_FLAGS)}), which this one lacks: bf16 would be emulated, "
-                         "slower than fp32; use precision auto or fp32")
+                         f"slower than fp32; use precision auto or fp32 (or, for a tiny model, {EMULATED_BF16}=1 in the "
+                         "environment: bf16 emulated)")
     return precision
 
 

@@ -30,10 +30,11 @@ def checked(proc: subprocess.CompletedProcess, check: bool = True) -> subprocess
     return proc
 
 
-def snakemake(configfile: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-    """Run the workflow as a user would; raise with its output's ends if it fails (unless not `check`)."""
-    return checked(subprocess.run(snakemake_command(configfile, *args), cwd=REPO_ROOT, capture_output=True, text=True),
-                   check)
+def snakemake(configfile: Path, *args: str, check: bool = True, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run the workflow as a user would (`env`: set in its environment too); raise with its output's ends if it fails
+    (unless not `check`)."""
+    return checked(subprocess.run(snakemake_command(configfile, *args), cwd=REPO_ROOT, capture_output=True, text=True,
+                                  env=os.environ | env if env else None), check)
 
 
 def dag_args(*args: str) -> tuple[str, ...]:
@@ -47,10 +48,11 @@ def run_dag(configfile: Path, *args: str) -> subprocess.CompletedProcess:
     return snakemake(configfile, *dag_args(*args))
 
 
-def start_dag(configfile: Path, out_dir: Path) -> subprocess.Popen:
+def start_dag(configfile: Path, out_dir: Path, env: dict | None = None) -> subprocess.Popen:
     """run_dag's DAG in the background, its output in `out_dir` (dag.out, dag.err); finish_dag waits for it."""
     return subprocess.Popen(snakemake_command(configfile, *dag_args()), cwd=REPO_ROOT, stdin=subprocess.DEVNULL,
-                            stdout=(out_dir / "dag.out").open("w"), stderr=(out_dir / "dag.err").open("w"))
+                            stdout=(out_dir / "dag.out").open("w"), stderr=(out_dir / "dag.err").open("w"),
+                            env=os.environ | env if env else None)
 
 
 def finish_dag(proc: subprocess.Popen, out_dir: Path) -> subprocess.CompletedProcess:

@@ -97,9 +97,11 @@ def test_losses_and_logprobs_stay_on_the_models_device():
 
 def test_bf16_on_a_cpu_needs_its_native_bf16_instructions(monkeypatch):
     """Without GPUs precision auto is bf16 where the CPU has AMX or AVX-512 BF16 and fp32 where it has neither; bf16
-    there is refused (by the launcher for this machine's jobs, by the stage where it starts). On GPUs auto is bf16."""
+    there is refused (by the launcher for this machine's jobs, by the stage where it starts) unless the environment
+    asks for emulated bf16 (the tests' bf16 runs on any CPU), and auto stays fp32 then. On GPUs auto is bf16."""
     if torch.cuda.is_available():
         pytest.skip("a CPU-only check")
+    monkeypatch.delenv(models.EMULATED_BF16, raising=False)
     assert set(models.cpu_bf16_flags()) <= set(models.NATIVE_BF16_FLAGS)
     assert models.model_dtype("auto") == ("bfloat16" if models.cpu_bf16_flags() else "float32")  # this machine's
     monkeypatch.setattr(models, "cpu_bf16_flags", lambda: ["avx512_bf16"])
@@ -114,12 +116,15 @@ def test_bf16_on_a_cpu_needs_its_native_bf16_instructions(monkeypatch):
     launcher = validate_config({})["launcher"]
     job, sources = resources.stage_resources("sft", launcher)
     params = {"sft": {"precision": "bf16", "num_workers": 1}}
-    monkeypatch.setattr(resources, "cpu_bf16_flags", lambda: ["amx_bf16"])
+    monkeypatch.setattr(models, "cpu_bf16_flags", lambda: ["amx_bf16"])
     resources.check_fits("sft", params, job, sources)
-    monkeypatch.setattr(resources, "cpu_bf16_flags", lambda: [])
+    monkeypatch.setattr(models, "cpu_bf16_flags", lambda: [])
     with pytest.raises(resources.LaunchConfigError, match=r"sft.precision = 'bf16' on this machine's CPU"):
         resources.check_fits("sft", params, job, sources)
     resources.check_fits("sft", params, job | {"cluster": "slurm"}, sources)  # a Slurm CPU node's: the stage checks
+    monkeypatch.setenv(models.EMULATED_BF16, "1")
+    resources.check_fits("sft", params, job, sources)
+    assert (models.model_dtype("bf16"), models.model_dtype("auto")) == ("bfloat16", "float32")
 
 
 def test_engine_options_and_placements_follow_the_config(tmp_path):

@@ -26,7 +26,7 @@ from launcher.config import REPO_ROOT, deep_merge, load_config_files, report_par
 from pipeline_helpers import finish_dag, planned_jobs, planned_outputs, snakemake, start_dag, wait_until, write_config
 from runtime.builtin_data import arithmetic_rows
 from runtime.data import write_jsonl
-from runtime.models import build_tiny
+from runtime.models import EMULATED_BF16, build_tiny
 from stages.report import Config as ReportConfig, describe_experiment
 from test_remote_reward import start_service
 
@@ -219,10 +219,10 @@ class UserRuns:
                     self.waiting.append(experiment)
             wait_until(lambda: self._take_slot(experiment), 7200, "a slot for a DAG")
             try:
-                plan = snakemake(experiment["configfile"], "all", "--dry-run").stdout
+                plan = snakemake(experiment["configfile"], "all", "--dry-run", env=experiment.get("env")).stdout
                 with self.lock:
                     assert not self.closing, "the session ended"
-                    proc = start_dag(experiment["configfile"], experiment["root"])
+                    proc = start_dag(experiment["configfile"], experiment["root"], experiment.get("env"))
                     self.procs.append(proc)
                 return experiment | run_result(experiment["root"], finish_dag(proc, experiment["root"])) | {"plan": plan}
             finally:
@@ -359,7 +359,8 @@ def given_run(qwen2_run, user_runs):
 def given_experiment(root: Path, qwen2: dict) -> dict:
     """An experiment given the Qwen2 run's SFT model and reward model: its config; `ready` waits for those models and
     copies them (Snakemake locks the outputs of the Qwen2 run while it goes on), so that it can run beside the rest
-    of the Qwen2 run."""
+    of the Qwen2 run. Its RL and evaluation run in bf16 (`env`: emulated where the CPU has no native bf16), the only
+    DAG that does on every machine."""
     given = {stage: root / "given" / stage for stage in ("sft", "reward_model")}
 
     def ready():
@@ -372,16 +373,17 @@ def given_experiment(root: Path, qwen2: dict) -> dict:
     configfile = user_config(
         root, qwen2["model_dir"], qwen2["files"], chat=True, sft={"from": str(given["sft"])},
         reward_model={"from": str(given["reward_model"])}, dpo=None,
-        rl={"steps": 2, "eval_prompts": 8, "reward": "model",
+        rl={"steps": 2, "eval_prompts": 8, "reward": "model", "precision": "bf16",
             "variants": {"grpo": {"estimator": "group_norm", "policy_loss": "cispo"}}},  # CISPO's loss
-        evaluate={"models": ["grpo"], "rewards": ["model"]})
-    return {"root": root, "configfile": configfile, "given": given, "ready": ready}
+        evaluate={"models": ["grpo"], "rewards": ["model"], "precision": "bf16"})
+    return {"root": root, "configfile": configfile, "given": given, "ready": ready, "env": {EMULATED_BF16: "1"}}
 
 
 def test_start_from_a_given_sft_model_and_reward_model(given_run):
     """The SFT model and reward model of the Qwen2 run, given to a second experiment: nothing is trained for them, RL
     starts from them, and the report and MLflow say they were given. (No DPO: a method starts from `sft` whatever
-    made it, test_sft_then_dpo_on_the_users_pairs.)"""
+    made it, test_sft_then_dpo_on_the_users_pairs.) Its RL and evaluation ran in bf16: DeepSpeed's bf16 weights with
+    fp32 master weights, the bf16 reference and reward model, the bf16 vLLM engine the weights are synced into."""
     given_sft, given_rm = given_run["given"]["sft"], given_run["given"]["reward_model"]
     root, proc, results = given_run["root"], given_run["proc"], given_run["results"]
     assert f"sft: using the given model {given_sft} (not trained)" in proc.stdout + proc.stderr
@@ -405,6 +407,11 @@ def test_start_from_a_given_sft_model_and_reward_model(given_run):
     runs = client.search_runs([client.get_experiment_by_name("user-given").experiment_id])
     tags = {r.info.run_name: r.data.tags.get("alignpipe.given_model") for r in runs}
     assert tags["sft"] == str(given_sft) and tags["reward_model"] == str(given_rm) and tags["rl/grpo/seed0"] is None
+    for run_name in ("rl/grpo/seed0", "evaluate/grpo/seed0"):
+        assert json.loads((results / run_name / "stage.json").read_text())["job"]["precision"] == "bf16"
+    assert {r.info.run_name: r.data.tags.get("precision") for r in runs}["rl/grpo/seed0"] == "bf16"
+    # vLLM samples from the trainer's weights, to bf16's rounding (fp32 runs stay under 1e-4)
+    assert all(s["vllm_logprob_gap"] < 1e-2 for s in data_rows(results / "rl" / "grpo" / "seed0" / "train_log.jsonl"))
 
 
 def test_full_rlhf_chain_holds_only_its_stages(gpt2_run):
