@@ -159,8 +159,8 @@ def resolved_precision(precision: str, gpus: bool) -> str:
     if precision == "bf16" and not gpus and not cpu_runs_bf16():
         raise ValueError(f"precision bf16 on a CPU needs its native bf16 instructions (/proc/cpuinfo flags "
                          f"{' or '.join(NATIVE_BF16_FLAGS)}), which this one lacks: bf16 would be emulated, "
-                         f"slower than fp32; use precision auto or fp32 (or, for a tiny model, {EMULATED_BF16}=1 in the "
-                         "environment: bf16 emulated)")
+                         f"slower than fp32; use precision auto or fp32 (or, for a tiny model, {EMULATED_BF16}=1 in "
+                         "the environment: bf16 emulated)")
     return precision
 
 
