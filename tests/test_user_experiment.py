@@ -23,12 +23,14 @@ from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
 from launcher.config import REPO_ROOT, deep_merge, load_config_files, report_params
-from pipeline_helpers import finish_dag, planned_jobs, planned_outputs, snakemake, start_dag, wait_until, write_config
+from pipeline_helpers import (finish_dag, planned_jobs, planned_outputs, snakemake, start_dag, submit_again, wait_until,
+                              write_config)
 from runtime.builtin_data import arithmetic_rows
 from runtime.data import write_jsonl
 from runtime.models import EMULATED_BF16, build_tiny
 from stages.report import Config as ReportConfig, describe_experiment
 from test_remote_reward import start_service
+from test_reproducibility import without_timings
 
 pytestmark = pytest.mark.e2e
 WORDS = ("apple pear plum grape lemon melon cherry peach mango olive bread cheese honey pepper onion carrot "
@@ -412,6 +414,28 @@ def test_start_from_a_given_sft_model_and_reward_model(given_run):
     assert {r.info.run_name: r.data.tags.get("precision") for r in runs}["rl/grpo/seed0"] == "bf16"
     # vLLM samples from the trainer's weights, to bf16's rounding (fp32 runs stay under 1e-4)
     assert all(s["vllm_logprob_gap"] < 1e-2 for s in data_rows(results / "rl" / "grpo" / "seed0" / "train_log.jsonl"))
+
+
+def test_bf16_rl_and_evaluation_rerun_to_the_same_bits(given_run, tmp_path, monkeypatch):
+    """Same config and seed, same numbers, in bf16 too (docs/reproducibility.md): the given-model run's RL stage and
+    its evaluation, submitted again with the params and inputs they recorded, give the same metrics, per-step log,
+    weights and samples, bit for bit (emulated bf16 on a CPU without native bf16, native on one with it)."""
+    monkeypatch.setenv(EMULATED_BF16, "1")  # (submitit's local jobs take the environment at submission)
+    run = given_run | {"mlflow_uri": f"sqlite:///{given_run['root'] / 'results' / 'mlflow.db'}"}
+    reruns = {stage: submit_again(run, given_run["results"] / stage, tmp_path, experiment="user-given-rerun")[:2]
+              for stage in ("rl/grpo/seed0", "evaluate/grpo/seed0")}  # (independent: evaluate reads the first RL's)
+    for stage, (job, output) in reruns.items():
+        job.result()
+        first = given_run["results"] / stage
+        assert json.loads((output / "stage.json").read_text())["job"]["precision"] == "bf16"
+        assert json.loads((output / "metrics.json").read_text()) == json.loads((first / "metrics.json").read_text())
+        for name in ("model.safetensors", "samples.jsonl"):
+            assert (output / name).exists() == (first / name).exists()
+            if (first / name).exists():
+                assert (output / name).read_bytes() == (first / name).read_bytes(), f"{stage}: {name} differs"
+    log, first_log = ([without_timings(step) for step in data_rows(directory / "train_log.jsonl")]
+                      for directory in (reruns["rl/grpo/seed0"][1], given_run["results"] / "rl" / "grpo" / "seed0"))
+    assert log == first_log and len(log) == 2
 
 
 def test_full_rlhf_chain_holds_only_its_stages(gpt2_run):
