@@ -292,16 +292,22 @@ def run(cfg: Config, inputs: dict, output: Path, tracker) -> None:
             t0 = time.perf_counter()
             rollout, raw, batch, metrics = ahead.result() if ahead else sample(s)
             timings = {"time_wait_rollout": time.perf_counter() - t0}
+            # each part of a step is progress: the stall watch's limit then bounds a part, and its message names the
+            # part after which a stage stalled (a hanging reward function: after "responses generated")
+            part_done = lambda part: beat(f"rl/{cfg.name} step {s + 1}/{cfg.steps}: {part}")
+            part_done("responses generated")
             # step s + 1 samples now, with the weights the engines hold: those before this step's update
             ahead = pool.submit(sample, s + 1) if pool and s + 1 < cfg.steps else None
             t0 = time.perf_counter()
             metrics |= make_experience(roles, cfg, rollout, kl_coef, reward_stats, raw)
             timings["time_make_experience"] = time.perf_counter() - t0
+            part_done("experience made")
             t0 = time.perf_counter()
             metrics |= train_on(roles.policy, cfg, rollout, train_rng)
             if roles.critic:
                 metrics |= train_on(roles.critic, cfg, rollout, train_rng)
             timings["time_train"] = time.perf_counter() - t0
+            part_done("trained")
             t0 = time.perf_counter()
             if ahead:
                 ahead.result()  # the engines are done with the old weights before they take the new (raises its error)
