@@ -106,11 +106,13 @@ def test_misspelt_key_fails_fast_through_snakemake(tmp_path):
 
 
 def test_code_hash_follows_imports_and_ignores_comments(tmp_path, monkeypatch):
-    """A stage's code hash covers the project modules it imports and the in-job runner, parsed: not comments or
-    docstrings, not modules it does not import, not the launcher."""
+    """A stage's code hash covers the project modules it imports (at the top or inside a function's blocks) and the
+    in-job runner, parsed: not comments or docstrings, not modules it does not import, not the launcher."""
     import launcher.code_hash as code_hash
     root = tmp_path / "repo"
-    files = {"stages/sft.py": '"""SFT."""\nfrom runtime import helper\nfrom runtime.other import thing\n',
+    sft = '"""{}"""\nfrom runtime import helper{}\n\n\ndef run():\n    """{}"""\n    try:\n        from runtime.other ' \
+          'import thing\n    except ImportError:\n        pass\n'
+    files = {"stages/sft.py": sft.format("SFT.", "", "Run."),
              "runtime/helper.py": "X = 1\n", "runtime/other.py": "from launcher import submit\nthing = 1\n",
              "runtime/job.py": "RUNNER = 1\n", "runtime/unrelated.py": "Y = 1\n", "launcher/submit.py": "Z = 1\n"}
     for name, text in files.items():
@@ -127,8 +129,7 @@ def test_code_hash_follows_imports_and_ignores_comments(tmp_path, monkeypatch):
 
     assert edit("runtime/unrelated.py", "Y = 2\n") == hashes[0]
     assert edit("launcher/submit.py", "Z = 2\n") == hashes[0]
-    assert edit("stages/sft.py", '"""SFT, said otherwise."""\n# why\nfrom runtime import helper  # the helper\n'
-                                 "from runtime.other import thing\n") == hashes[0]
+    assert edit("stages/sft.py", sft.format("SFT, said otherwise.", "  # the helper", "Run it.")) == hashes[0]
     assert edit("runtime/other.py", "from launcher import submit\nthing = 2\n") != hashes[0]
     assert edit("runtime/helper.py", "X = 2\n") != hashes[-2]
     assert edit("runtime/job.py", "RUNNER = 2\n") != hashes[-2]
