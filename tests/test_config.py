@@ -129,7 +129,7 @@ def test_code_hash_follows_imports_and_ignores_comments(tmp_path, monkeypatch):
 
     assert edit("runtime/unrelated.py", "Y = 2\n") == hashes[0]
     assert edit("launcher/submit.py", "Z = 2\n") == hashes[0]
-    assert edit("stages/sft.py", sft.format("SFT, said otherwise.", "  # the helper", "Run it.")) == hashes[0]
+    assert edit("stages/sft.py", sft.format("SFT, said otherwise.", "  # the helper\n# why", "Run it.")) == hashes[0]
     assert edit("runtime/other.py", "from launcher import submit\nthing = 2\n") != hashes[0]
     assert edit("runtime/helper.py", "X = 2\n") != hashes[-2]
     assert edit("runtime/job.py", "RUNNER = 2\n") != hashes[-2]
