@@ -200,7 +200,7 @@ def dropout_keys(path) -> list[str]:
 
 def _load(auto_cls: str, path, dtype, attn_implementation, **kwargs):
     """A model from a local directory: safetensors only, remote code as the directory records, in `dtype` (a torch
-    dtype name; float32 by default) with transformers' attention kernel `attn_implementation` (its default if None).
+    dtype name; float32 by default; bfloat16 on a CPU: float32 weights under bf16 autocast) with transformers' attention kernel `attn_implementation` (its default if None).
 
     Without dropout, as TRL's trainers do by default: RL's ratio of new to old log-probs must be 1 before an update
     (vLLM samples without dropout), and the frozen models and critics must score deterministically in train mode
@@ -211,12 +211,18 @@ def _load(auto_cls: str, path, dtype, attn_implementation, **kwargs):
     import transformers
     options = {"attn_implementation": attn_implementation} if attn_implementation else {}
     no_dropout = {key: 0.0 for key in dropout_keys(path)}
-    model = getattr(transformers, auto_cls).from_pretrained(path, dtype=getattr(torch, dtype), use_safetensors=True,
-                                                            trust_remote_code=trusts_remote_code(path), **options,
-                                                            **no_dropout, **kwargs)
+    # bf16 on a CPU: fp32 weights, each forward under bf16 autocast (as TRL's bf16=True), not bf16 weights. On the
+    # demo's SFT (SmolLM2, 16 steps at lr 2e-5, AMX) bf16 weights with DeepSpeed's fp32 master weights ended at a
+    # held-out loss of 4.31, fp32 at 4.07, autocast at 4.07 at the speed of bf16 weights (docs/benchmarks.md).
+    cpu_autocast = dtype == "bfloat16" and not torch.cuda.is_available()
+    model = getattr(transformers, auto_cls).from_pretrained(
+        path, dtype=torch.float32 if cpu_autocast else getattr(torch, dtype), use_safetensors=True,
+        trust_remote_code=trusts_remote_code(path), **options, **no_dropout, **kwargs)
     for module in model.modules():
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
+    if cpu_autocast:
+        model.forward = torch.autocast("cpu", dtype=torch.bfloat16)(model.forward)
     return model
 
 

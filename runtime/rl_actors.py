@@ -142,7 +142,7 @@ class FrozenScorer(DeepSpeedWorker):
             import deepspeed
             from transformers.integrations import HfDeepSpeedConfig
             self.init_distributed(rank.rank, rank.rendezvous, rank.num_threads)
-            config = inference_ds_config(3, dtype == "bfloat16")
+            config = inference_ds_config(3, dtype == "bfloat16" and torch.cuda.is_available())  # (CPU: autocast)
             self._hf_ds_config = HfDeepSpeedConfig(config)  # from_pretrained loads straight into shards
             model = loader(rank.model_dir, dtype, cfg.attn_implementation)
             self.model = deepspeed.initialize(model=model, config=config)[0].module.eval()

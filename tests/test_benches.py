@@ -55,8 +55,8 @@ def test_throughput_bench_runs_a_tiny_step(tmp_path, tiny_model, script, rate):
 
 @pytest.mark.skipif(not cpu_bf16_flags(), reason="this CPU has no native bf16 (AMX or AVX-512 BF16)")
 def test_the_grpo_bench_runs_in_bf16_on_a_cpu_with_native_bf16(tmp_path, tiny_model):
-    """`--precision bf16`: the rl stage's machinery with bf16 weights (DeepSpeed's fp32 master weights), bf16 frozen
-    models and a bf16 vLLM engine on the CPU, for one step."""
+    """`--precision bf16`: the rl stage's machinery with fp32 weights under bf16 autocast (the trainers and frozen
+    models on a CPU) and a bf16 vLLM engine, for one step."""
     out = tmp_path / "result.json"
     run_bench("grpo_throughput.py", "--tiny", "--steps", "1", "--warmup", "0", "--sides", "alignpipe", "--precision",
               "bf16", "--model", str(tiny_model), "--out", str(out))

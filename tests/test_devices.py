@@ -127,6 +127,18 @@ def test_bf16_on_a_cpu_needs_its_native_bf16_instructions(monkeypatch):
     assert (models.model_dtype("bf16"), models.model_dtype("auto")) == ("bfloat16", "float32")
 
 
+def test_bf16_on_a_cpu_keeps_fp32_weights_under_autocast(tmp_path):
+    """bf16 on a CPU is fp32 weights whose forwards run under bf16 autocast (bf16 weights trained worse there:
+    runtime/models._load): the weights stay fp32, the matrix products are bf16."""
+    if torch.cuda.is_available():
+        pytest.skip("a CPU-only check")
+    LlamaForCausalLM(CONFIG).save_pretrained(tmp_path)
+    model = models.load_causal_lm(tmp_path, "bfloat16")
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    ids = torch.tensor([[1, 2, 3]])
+    assert model(input_ids=ids).logits.dtype == torch.bfloat16
+    assert models.load_causal_lm(tmp_path, "float32")(input_ids=ids).logits.dtype == torch.float32
+
 def test_engine_options_and_placements_follow_the_config(tmp_path):
     vllm = validate_config({"rl": {"vllm": {"num_engines": 2, "tensor_parallel_size": 2}}})["rl"]["vllm"]
     (tmp_path / "config.json").write_text("{}")

@@ -384,8 +384,8 @@ def given_experiment(root: Path, qwen2: dict) -> dict:
 def test_start_from_a_given_sft_model_and_reward_model(given_run):
     """The SFT model and reward model of the Qwen2 run, given to a second experiment: nothing is trained for them, RL
     starts from them, and the report and MLflow say they were given. (No DPO: a method starts from `sft` whatever
-    made it, test_sft_then_dpo_on_the_users_pairs.) Its RL and evaluation ran in bf16: DeepSpeed's bf16 weights with
-    fp32 master weights, the bf16 reference and reward model, the bf16 vLLM engine the weights are synced into."""
+    made it, test_sft_then_dpo_on_the_users_pairs.) Its RL and evaluation ran in bf16: on a CPU the trainers',
+    reference's and reward model's fp32 weights under bf16 autocast, the bf16 vLLM engine the weights are synced into."""
     given_sft, given_rm = given_run["given"]["sft"], given_run["given"]["reward_model"]
     root, proc, results = given_run["root"], given_run["proc"], given_run["results"]
     assert f"sft: using the given model {given_sft} (not trained)" in proc.stdout + proc.stderr
