@@ -3,11 +3,12 @@
 Subclasses (the per-stage Ray workers) implement `setup(cfg, rank)`, given the stage's Config, and `loss(batch)`;
 this base owns everything else. On GPUs each rank uses the one GPU Ray gave it (Ray's CUDA_VISIBLE_DEVICES names only
 that GPU, so it is device 0), NCCL between ranks, bf16 weights with fp32 master weights in DeepSpeed's optimizer
-(`precision`). On CPU the backend is gloo, the weights fp32, their forwards under bf16 autocast where the CPU has native
-bf16 (`precision` auto: runtime/models.resolved_precision; bf16 weights trained worse there: models._load), and the
-optimizer is torch's fused AdamW (DeepSpeedCPUAdam would JIT-compile for minutes; the fused kernel steps SmolLM2-135M in 0.14 s on 2 cores, the
-default per-tensor loop in 0.8 s). GPUs step the same torch AdamW: DeepSpeed's FusedAdam would JIT-build a CUDA
-extension (nvcc) that GPU nodes often lack, so `offload_states` (rl.vllm.sleep) moves its states itself.
+(`precision`). On CPU the backend is gloo, the weights fp32, their forwards under bf16 autocast where the CPU has
+native bf16 (`precision` auto: runtime/models.resolved_precision; bf16 weights trained worse there: models._load), and
+the optimizer is torch's fused AdamW (DeepSpeedCPUAdam would JIT-compile for minutes; the fused kernel steps
+SmolLM2-135M in 0.14 s on 2 cores, the default per-tensor loop in 0.8 s). GPUs step the same torch AdamW: DeepSpeed's
+FusedAdam would JIT-build a CUDA extension (nvcc) that GPU nodes often lack, so `offload_states` (rl.vllm.sleep) moves
+its states itself.
 """
 import dataclasses
 import math
@@ -116,7 +117,7 @@ class DeepSpeedWorker:
         import deepspeed
         grad_accum = cfg.batch_size // (cfg.micro_batch_size * cfg.num_workers)
         self.dtype = model_dtype(cfg.precision)
-        bf16_weights = self.dtype == "bfloat16" and torch.cuda.is_available()  # (a CPU's bf16 is autocast: models._load)
+        bf16_weights = self.dtype == "bfloat16" and torch.cuda.is_available()  # (a CPU's is autocast: models._load)
         if cfg.offload_optimizer and not torch.cuda.is_available():
             raise ValueError("offload_optimizer moves optimizer states from GPU to CPU memory; on CPU set it to false")
         config = ds_config(cfg.zero_stage, cfg.micro_batch_size, grad_accum, self.world_size, cfg.max_grad_norm,

@@ -200,7 +200,8 @@ def dropout_keys(path) -> list[str]:
 
 def _load(auto_cls: str, path, dtype, attn_implementation, **kwargs):
     """A model from a local directory: safetensors only, remote code as the directory records, in `dtype` (a torch
-    dtype name; float32 by default; bfloat16 on a CPU: float32 weights under bf16 autocast) with transformers' attention kernel `attn_implementation` (its default if None).
+    dtype name; float32 by default; bfloat16 on a CPU: float32 weights under bf16 autocast) with transformers'
+    attention kernel `attn_implementation` (its default if None).
 
     Without dropout, as TRL's trainers do by default: RL's ratio of new to old log-probs must be 1 before an update
     (vLLM samples without dropout), and the frozen models and critics must score deterministically in train mode
@@ -211,9 +212,9 @@ def _load(auto_cls: str, path, dtype, attn_implementation, **kwargs):
     import transformers
     options = {"attn_implementation": attn_implementation} if attn_implementation else {}
     no_dropout = {key: 0.0 for key in dropout_keys(path)}
-    # bf16 on a CPU: fp32 weights, each forward under bf16 autocast (as TRL's bf16=True), not bf16 weights. On the
-    # demo's SFT (SmolLM2, 16 steps at lr 2e-5, AMX) bf16 weights with DeepSpeed's fp32 master weights ended at a
-    # held-out loss of 4.31, fp32 at 4.07, autocast at 4.07 at the speed of bf16 weights (docs/benchmarks.md).
+    # bf16 on a CPU: fp32 weights, each forward under bf16 autocast (as TRL's bf16=True), not bf16 weights. In the
+    # demo (AMX), bf16 weights with DeepSpeed's fp32 master weights left SFT's held-out loss at 4.297 and DPO's margin
+    # at 0.028 (fp32: 4.035, 0.131); autocast reached 4.066 and 0.117, the demo 4% slower (docs/benchmarks.md).
     cpu_autocast = dtype == "bfloat16" and not torch.cuda.is_available()
     model = getattr(transformers, auto_cls).from_pretrained(
         path, dtype=torch.float32 if cpu_autocast else getattr(torch, dtype), use_safetensors=True,

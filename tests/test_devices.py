@@ -139,6 +139,7 @@ def test_bf16_on_a_cpu_keeps_fp32_weights_under_autocast(tmp_path):
     assert model(input_ids=ids).logits.dtype == torch.bfloat16
     assert models.load_causal_lm(tmp_path, "float32")(input_ids=ids).logits.dtype == torch.float32
 
+
 def test_engine_options_and_placements_follow_the_config(tmp_path):
     vllm = validate_config({"rl": {"vllm": {"num_engines": 2, "tensor_parallel_size": 2}}})["rl"]["vllm"]
     (tmp_path / "config.json").write_text("{}")

@@ -66,7 +66,8 @@ def start(worker_cls, base, loss: str, steps: int):
     """One ZeRO-0 rank set up as the stage sets it up (learning rate 1e-3 so that steps visibly move the policy)."""
     cfg = stage_config(dpo, {"seed": 3, "dpo": {
         "loss": loss, "zero_stage": 0, "num_workers": 1, "epochs": 2, "batch_size": 4, "micro_batch_size": 2,
-        "learning_rate": 1e-3, "warmup_steps": 0, "checkpoint_every": 0, "nll_weight": 0.1}})
+        "learning_rate": 1e-3, "warmup_steps": 0, "checkpoint_every": 0, "nll_weight": 0.1,
+        "precision": "fp32"}})  # (in bf16 a batch's rows round differently at each batch composition)
     worker = worker_cls()
     worker.setup(cfg, Rank(0, {"master_addr": "127.0.0.1", "master_port": free_port(), "world_size": 1}, 1,
                            str(base), steps))

@@ -65,7 +65,7 @@ def zero3_policy(rendezvous, model_dir, lora_rank: int = 0) -> PolicyWorker:
     lora = {"lora_rank": lora_rank, "lora_alpha": 2 * lora_rank, "lora_targets": "all-linear"} if lora_rank else {}
     cfg = stage_config(rl, {"rl": {"zero_stage": 3, "num_workers": 1, "batch_size": 4, "micro_batch_size": 4,
                                    "learning_rate": 1e-2, "warmup_steps": 0, "kl_in_reward": False, "kl_coef": 0.1,
-                                   **lora}})
+                                   "precision": "fp32", **lora}})  # (the same on every CPU)
     worker = PolicyWorker()
     worker.setup(cfg, Rank(0, rendezvous, 1, str(model_dir), 8))
     unset_hf_deepspeed_config()  # the model is built: later loads in this process must not be ZeRO-3 partitioned

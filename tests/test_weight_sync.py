@@ -89,7 +89,8 @@ def start_policy(base, zero_stage: int, lora_rank: int, batch_size: int):
                             "warmup_steps": 0, "max_grad_norm": 1.0, "checkpoint_every": 0,
                             **(lora if lora_rank else {}), "clip_low": 0.2, "clip_high": 0.2, "dual_clip": None,
                             "loss_agg": "token_mean", "is_cap": None, "entropy_coef": 0.0, "kl_in_reward": True,
-                            "kl_coef": 0.0, "kl_estimator": "k1", "value_clip": None, "temperature": TEMPERATURE}})
+                            "kl_coef": 0.0, "kl_estimator": "k1", "value_clip": None, "temperature": TEMPERATURE,
+                            "precision": "fp32"}})  # (bf16's rounding would hide a sync's error of that size)
     return trainer.start_workers(PolicyWorker, cfg, base, 3, Tracker(), cpus_per_actor=0.5)
 
 
