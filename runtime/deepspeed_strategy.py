@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from runtime.lora import apply_lora, resolve_targets
-from runtime.models import model_dtype, release_cached_memory
+from runtime.models import model_dtype, release_cached_memory, weights_dtype
 
 
 def ds_config(zero_stage: int, micro_batch_size: int, grad_accum: int, world_size: int, max_grad_norm: float,
@@ -117,11 +117,10 @@ class DeepSpeedWorker:
         import deepspeed
         grad_accum = cfg.batch_size // (cfg.micro_batch_size * cfg.num_workers)
         self.dtype = model_dtype(cfg.precision)
-        bf16_weights = self.dtype == "bfloat16" and torch.cuda.is_available()  # (a CPU's is autocast: models._load)
         if cfg.offload_optimizer and not torch.cuda.is_available():
             raise ValueError("offload_optimizer moves optimizer states from GPU to CPU memory; on CPU set it to false")
         config = ds_config(cfg.zero_stage, cfg.micro_batch_size, grad_accum, self.world_size, cfg.max_grad_norm,
-                           bf16=bf16_weights, offload_optimizer=cfg.offload_optimizer)
+                           bf16=weights_dtype(self.dtype) == "bfloat16", offload_optimizer=cfg.offload_optimizer)
         torch.manual_seed(cfg.seed)
         if cfg.zero_stage == 3:
             # Keeps the HF config alive so from_pretrained partitions weights as they load (zero.Init): no rank ever

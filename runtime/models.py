@@ -173,6 +173,13 @@ def model_dtype(precision: str, gpus: bool | None = None) -> str:
     return "bfloat16" if resolved_precision(precision, gpus) == "bf16" else "float32"
 
 
+def weights_dtype(dtype: str) -> str:
+    """The dtype a model loaded in `dtype` (model_dtype) holds its weights in, in this process: bfloat16 weights only
+    on GPUs; a CPU's bf16 is float32 weights whose forwards run under bf16 autocast (_load)."""
+    import torch
+    return "float32" if dtype == "bfloat16" and not torch.cuda.is_available() else dtype
+
+
 def device():
     """This process's device: the GPU Ray gave it (device 0 of its CUDA_VISIBLE_DEVICES), or the CPU."""
     import torch
@@ -215,14 +222,14 @@ def _load(auto_cls: str, path, dtype, attn_implementation, **kwargs):
     # bf16 on a CPU: fp32 weights, each forward under bf16 autocast (as TRL's bf16=True), not bf16 weights. In the
     # demo (AMX), bf16 weights with DeepSpeed's fp32 master weights left SFT's held-out loss at 4.297 and DPO's margin
     # at 0.028 (fp32: 4.035, 0.131); autocast reached 4.066 and 0.117, the demo 4% slower (docs/benchmarks.md).
-    cpu_autocast = dtype == "bfloat16" and not torch.cuda.is_available()
+    held = weights_dtype(dtype)
     model = getattr(transformers, auto_cls).from_pretrained(
-        path, dtype=torch.float32 if cpu_autocast else getattr(torch, dtype), use_safetensors=True,
-        trust_remote_code=trusts_remote_code(path), **options, **no_dropout, **kwargs)
+        path, dtype=getattr(torch, held), use_safetensors=True, trust_remote_code=trusts_remote_code(path), **options,
+        **no_dropout, **kwargs)
     for module in model.modules():
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
-    if cpu_autocast:
+    if held != dtype:
         model.forward = torch.autocast("cpu", dtype=torch.bfloat16)(model.forward)
     return model
 

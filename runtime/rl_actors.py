@@ -18,7 +18,7 @@ from runtime.judge import Judge, greedy_verdicts, judge_context
 from runtime.logprobs import (entropy_from_logits, forward_tokens, on_device, response_logits, response_logprobs,
                               token_logprobs)
 from runtime.models import (device, load_causal_lm, load_reward_model, load_tokenizer, load_value_model, model_dtype,
-                            release_cached_memory, vocabulary_mismatch)
+                            release_cached_memory, vocabulary_mismatch, weights_dtype)
 from runtime.remote_reward import RemoteReward
 from runtime.rewards import is_remote, load_reward_fn
 from runtime.rollout import generate_on, start_engines
@@ -142,7 +142,7 @@ class FrozenScorer(DeepSpeedWorker):
             import deepspeed
             from transformers.integrations import HfDeepSpeedConfig
             self.init_distributed(rank.rank, rank.rendezvous, rank.num_threads)
-            config = inference_ds_config(3, dtype == "bfloat16" and torch.cuda.is_available())  # (CPU: autocast)
+            config = inference_ds_config(3, weights_dtype(dtype) == "bfloat16")
             self._hf_ds_config = HfDeepSpeedConfig(config)  # from_pretrained loads straight into shards
             model = loader(rank.model_dir, dtype, cfg.attn_implementation)
             self.model = deepspeed.initialize(model=model, config=config)[0].module.eval()
